@@ -1,0 +1,23 @@
+# The two commands that matter: `make demo` (the main job) and `make test`.
+PYTHON ?= python3
+VENV := .venv
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test install clean
+
+$(STAMP): setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e ".[test,hf]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/python scripts/demo.py --workdir workdir/demo
+
+test: $(STAMP)
+	$(VENV)/bin/python -m pytest -q -n 2 tests
+
+clean:
+	rm -rf $(VENV) workdir

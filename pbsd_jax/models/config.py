@@ -1,0 +1,101 @@
+"""Model configuration: one frozen dataclass for the Llama / Qwen2 / Qwen3 (-MoE) shapes.
+
+The config is hashable, so it can be a static argument of `jax.jit`. Inconsistent sizes fail
+here, at construction, with a `ValueError` naming the field -- never as a shape error in XLA.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Sizes and switches of the decoder-only transformer.
+
+  Family switches: Llama = defaults; Qwen2 = `qkv_bias=True`; Qwen3 = `qk_norm=True` with an
+  explicit `head_dim` (may differ from `hidden_size // num_heads`); Qwen3-MoE = Qwen3 plus
+  `num_experts > 0`.
+  """
+
+  vocab_size: int = 256
+  hidden_size: int = 64
+  num_layers: int = 2
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  head_dim: int | None = None  # None: hidden_size // num_heads.
+  mlp_dim: int = 128
+  rope_theta: float = 10_000.0
+  rms_norm_eps: float = 1e-6
+  qkv_bias: bool = False
+  qk_norm: bool = False
+  tie_embeddings: bool = False
+  # Mixture of experts (Qwen3-MoE style); num_experts == 0 means a dense SwiGLU MLP.
+  num_experts: int = 0
+  num_experts_per_tok: int = 2
+  expert_mlp_dim: int | None = None  # None: mlp_dim.
+  norm_topk_prob: bool = True
+  # dtype policy: parameters are stored in `param_dtype` and cast to `dtype` for compute;
+  # logits and log-probs are always float32.
+  param_dtype: str = "float32"
+  dtype: str = "float32"
+  remat: bool = False
+
+  def __post_init__(self):
+    positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                "mlp_dim")
+    for name in positive:
+      if getattr(self, name) <= 0:
+        raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")
+    if self.head_dim is not None and self.head_dim <= 0:
+      raise ValueError(f"ModelConfig.head_dim must be positive, got {self.head_dim}")
+    if self.head_dim is None and self.hidden_size % self.num_heads:
+      raise ValueError(
+          f"ModelConfig.num_heads={self.num_heads} does not divide "
+          f"hidden_size={self.hidden_size}; set head_dim explicitly")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"ModelConfig.num_kv_heads={self.num_kv_heads} does not divide "
+          f"num_heads={self.num_heads}")
+    if self.resolved_head_dim % 2:
+      raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got "
+                       f"{self.resolved_head_dim}")
+    if self.num_experts < 0:
+      raise ValueError(f"ModelConfig.num_experts must be >= 0, got {self.num_experts}")
+    if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+      raise ValueError(
+          f"ModelConfig.num_experts_per_tok={self.num_experts_per_tok} must be in "
+          f"[1, num_experts={self.num_experts}]")
+    for name in ("param_dtype", "dtype"):
+      if getattr(self, name) not in _DTYPES:
+        raise ValueError(f"ModelConfig.{name} must be one of {sorted(_DTYPES)}, got "
+                         f"{getattr(self, name)!r}")
+    if self.rope_theta <= 0:
+      raise ValueError(f"ModelConfig.rope_theta must be positive, got {self.rope_theta}")
+
+  @property
+  def resolved_head_dim(self) -> int:
+    return self.head_dim if self.head_dim is not None else self.hidden_size // self.num_heads
+
+  @property
+  def resolved_expert_mlp_dim(self) -> int:
+    return self.expert_mlp_dim if self.expert_mlp_dim is not None else self.mlp_dim
+
+  @property
+  def is_moe(self) -> bool:
+    return self.num_experts > 0
+
+  @property
+  def jnp_dtype(self):
+    return _DTYPES[self.dtype]
+
+  @property
+  def jnp_param_dtype(self):
+    return _DTYPES[self.param_dtype]
+
+  def replace(self, **changes) -> "ModelConfig":
+    return dataclasses.replace(self, **changes)

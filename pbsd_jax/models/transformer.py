@@ -1,0 +1,319 @@
+"""Decoder-only transformer (Llama / Qwen2 / Qwen3 / Qwen3-MoE shapes) in Flax Linen.
+
+Padding convention: `mask: bool[B, T]` marks real tokens. Rows may be left-padded (prompts) and
+right-padded (unused buffer); a padded slot is never attended to, and RoPE positions count real
+tokens only (`position = number of real tokens before this one`), so any amount of left padding
+gives the same logits on the real tokens.
+
+Slots and the KV cache: column `s` of a token buffer is cache slot `s`. A forward over new tokens
+`tokens[b, j]` writes them at slots `write_index[b] + j` (rows advance independently); a query at
+slot `q` attends to every real slot `s <= q`. The full forward is the same code with an empty,
+implicit cache (`write_index = 0`), so prefill, decode and training share one path.
+
+Every parameter carries logical axis names (`vocab, embed, heads, kv_heads, head_dim, mlp,
+expert, layers`); `pbsd_jax.sharding` maps them to mesh axes. The model knows nothing of RL.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from pbsd_jax.models.config import ModelConfig
+
+Array = jax.Array
+_INIT = nn.initializers.normal(stddev=0.02)
+
+
+@struct.dataclass
+class KVCache:
+  """Keys and values of every layer, written at per-row slots.
+
+  Attributes:
+    k: `[layers, B, S, kv_heads, head_dim]` keys (RoPE already applied).
+    v: `[layers, B, S, kv_heads, head_dim]` values.
+    mask: `bool[B, S]`, True on slots that hold a real token.
+  """
+
+  k: Array
+  v: Array
+  mask: Array
+
+  @classmethod
+  def init(cls, config: ModelConfig, batch: int, size: int) -> "KVCache":
+    """An empty cache of `size` slots per row, in the compute dtype."""
+    shape = (config.num_layers, batch, size, config.num_kv_heads, config.resolved_head_dim)
+    zeros = jnp.zeros(shape, config.jnp_dtype)
+    return cls(k=zeros, v=zeros, mask=jnp.zeros((batch, size), bool))
+
+  @property
+  def size(self) -> int:
+    return self.mask.shape[1]
+
+
+@struct.dataclass
+class ModelOutput:
+  """What a forward returns.
+
+  Attributes:
+    hidden: `[B, T, hidden_size]` final-normed hidden states (compute dtype).
+    logits: `f32[B, T, V]`, or None when the forward was asked for hidden states only.
+    cache: the updated `KVCache`, or None for a cache-less forward.
+    routes: `i32[layers, B, T, num_experts_per_tok]` experts chosen per token (MoE), else None.
+  """
+
+  hidden: Array
+  logits: Array | None = None
+  cache: KVCache | None = None
+  routes: Array | None = None
+
+
+def positions_from_mask(mask: Array, offset: Array | int = 0) -> Array:
+  """RoPE positions `i32[B, T]`: real tokens before each slot (plus `offset: i32[B]`)."""
+  counts = jnp.cumsum(mask.astype(jnp.int32), axis=-1) - 1
+  return jnp.maximum(counts, 0) + jnp.asarray(offset, jnp.int32).reshape(-1, 1)
+
+
+def apply_rope(x: Array, positions: Array, theta: float) -> Array:
+  """Rotary embedding, half-split layout (as in Hugging Face Llama/Qwen). x: [B, T, H, D]."""
+  half = x.shape[-1] // 2
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) * 2 / x.shape[-1]))
+  angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+  cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def _param(module: nn.Module, name: str, shape, axes, init=_INIT):
+  """A parameter in `param_dtype` with logical axis names."""
+  return module.param(name, nn.with_logical_partitioning(init, axes), shape,
+                      module.config.jnp_param_dtype)
+
+
+class RMSNorm(nn.Module):
+  """x * rsqrt(mean(x^2) + eps) * scale, computed in float32."""
+  config: ModelConfig
+  axis_name: str = "embed"
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    scale = _param(self, "scale", (x.shape[-1],), (self.axis_name,), nn.initializers.ones)
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True)
+                                 + self.config.rms_norm_eps)
+    return (normed * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+class Attention(nn.Module):
+  """Grouped-query attention with RoPE, optional QKV bias (Qwen2) and q/k norm (Qwen3)."""
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x, positions, query_slots, key_mask, layer_cache):
+    c = self.config
+    dt, hd, h, kvh = c.jnp_dtype, c.resolved_head_dim, c.num_heads, c.num_kv_heads
+
+    def project(name, heads):
+      kernel = _param(self, f"{name}_kernel", (c.hidden_size, heads, hd),
+                      ("embed", "heads" if heads == h else "kv_heads", "head_dim"))
+      y = jnp.einsum("btd,dhk->bthk", x, kernel.astype(dt))
+      if c.qkv_bias:
+        bias = _param(self, f"{name}_bias", (heads, hd),
+                      ("heads" if heads == h else "kv_heads", "head_dim"), nn.initializers.zeros)
+        y = y + bias.astype(dt)
+      return y
+
+    q, k, v = project("q", h), project("k", kvh), project("v", kvh)
+    if c.qk_norm:
+      q = RMSNorm(c, "head_dim", name="q_norm")(q)
+      k = RMSNorm(c, "head_dim", name="k_norm")(k)
+    q, k = apply_rope(q, positions, c.rope_theta), apply_rope(k, positions, c.rope_theta)
+
+    if layer_cache is None:
+      keys, values = k, v
+      key_slots = jnp.arange(k.shape[1])
+    else:
+      # Scatter with mode="drop": slots past the end of the buffer are discarded rather than
+      # clamped (dynamic_update_slice would silently shift the write).
+      cache_k, cache_v = layer_cache
+      rows = jnp.arange(k.shape[0])[:, None]
+      keys = cache_k.at[rows, query_slots].set(k.astype(cache_k.dtype), mode="drop")
+      values = cache_v.at[rows, query_slots].set(v.astype(cache_v.dtype), mode="drop")
+      key_slots = jnp.arange(keys.shape[1])
+
+    allowed = key_mask[:, None, :] & (key_slots[None, None, :] <= query_slots[:, :, None])
+    b, t = q.shape[:2]
+    q = q.reshape(b, t, kvh, h // kvh, hd)
+    scores = jnp.einsum("btkgd,bskd->bkgts", q, keys.astype(dt)).astype(jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(hd))
+    scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, values.astype(dt)).reshape(b, t, h, hd)
+    o_kernel = _param(self, "o_kernel", (h, hd, c.hidden_size), ("heads", "head_dim", "embed"))
+    out = jnp.einsum("bthk,hkd->btd", out, o_kernel.astype(dt))
+    new_cache = None if layer_cache is None else (keys, values)
+    return out, new_cache
+
+
+class MLP(nn.Module):
+  """SwiGLU: down(silu(gate(x)) * up(x))."""
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x):
+    c, dt = self.config, self.config.jnp_dtype
+    gate = _param(self, "gate_kernel", (c.hidden_size, c.mlp_dim), ("embed", "mlp"))
+    up = _param(self, "up_kernel", (c.hidden_size, c.mlp_dim), ("embed", "mlp"))
+    down = _param(self, "down_kernel", (c.mlp_dim, c.hidden_size), ("mlp", "embed"))
+    hidden = jax.nn.silu(x @ gate.astype(dt)) * (x @ up.astype(dt))
+    return hidden @ down.astype(dt)
+
+
+class MoE(nn.Module):
+  """Qwen3-MoE sparse block: softmax router, top-k experts, optional renormalised weights.
+
+  Routing replay: when `routes: i32[B, T, k]` is given, those experts are used instead of the
+  router's own top-k; their gate weights are still the current router's probabilities (the
+  replayed quantity is the discrete choice, as in the PBSD ablation). Experts are evaluated
+  densely and combined with a sparse weight matrix, which is exact and simple; a dispatching
+  kernel is a drop-in replacement for large expert counts.
+  """
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x, routes=None):
+    c, dt = self.config, self.config.jnp_dtype
+    e, m = c.num_experts, c.resolved_expert_mlp_dim
+    router = _param(self, "router_kernel", (c.hidden_size, e), ("embed", "expert"))
+    probs = jax.nn.softmax((x @ router.astype(dt)).astype(jnp.float32), axis=-1)  # [B,T,E]
+    if routes is None:
+      _, routes = jax.lax.top_k(probs, c.num_experts_per_tok)
+    top = jnp.take_along_axis(probs, routes, axis=-1)
+    if c.norm_topk_prob:
+      top = top / jnp.sum(top, axis=-1, keepdims=True)
+    combine = jnp.sum(jax.nn.one_hot(routes, e, dtype=jnp.float32) * top[..., None], axis=-2)
+    gate = _param(self, "gate_kernel", (e, c.hidden_size, m), ("expert", "embed", "mlp"))
+    up = _param(self, "up_kernel", (e, c.hidden_size, m), ("expert", "embed", "mlp"))
+    down = _param(self, "down_kernel", (e, m, c.hidden_size), ("expert", "mlp", "embed"))
+    hidden = (jax.nn.silu(jnp.einsum("btd,edm->btem", x, gate.astype(dt)))
+              * jnp.einsum("btd,edm->btem", x, up.astype(dt)))
+    expert_out = jnp.einsum("btem,emd->bted", hidden, down.astype(dt))
+    out = jnp.einsum("bted,bte->btd", expert_out, combine.astype(dt))
+    return out, routes.astype(jnp.int32)
+
+
+class Block(nn.Module):
+  """One pre-norm decoder layer; scanned over layers by `Transformer`."""
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x, positions, query_slots, key_mask, layer_inputs):
+    layer_cache, routes = layer_inputs
+    c = self.config
+    attn_out, new_cache = Attention(c, name="attn")(
+        RMSNorm(c, name="attn_norm")(x), positions, query_slots, key_mask, layer_cache)
+    x = x + attn_out
+    normed = RMSNorm(c, name="mlp_norm")(x)
+    if c.is_moe:
+      mlp_out, routes = MoE(c, name="moe")(normed, routes)
+    else:
+      mlp_out, routes = MLP(c, name="mlp")(normed), None
+    return x + mlp_out, (new_cache, routes)
+
+
+class Transformer(nn.Module):
+  """The language model. See the module docstring for the padding and slot conventions."""
+  config: ModelConfig
+
+  def setup(self):
+    c = self.config
+    self.embedding = _param(self, "embedding", (c.vocab_size, c.hidden_size), ("vocab", "embed"))
+    if not c.tie_embeddings:
+      self.lm_head = _param(self, "lm_head", (c.hidden_size, c.vocab_size), ("embed", "vocab"))
+    block = nn.remat(Block, static_argnums=()) if c.remat else Block
+    self.layers = nn.scan(
+        block,
+        variable_axes={"params": 0},
+        split_rngs={"params": True},
+        in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0),
+        length=c.num_layers,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )(c, name="layers")
+    self.final_norm = RMSNorm(c, name="final_norm")
+
+  def __call__(self, tokens: Array, mask: Array | None = None, *,
+               cache: KVCache | None = None, write_index: Array | None = None,
+               routes: Array | None = None, compute_logits: bool = True) -> ModelOutput:
+    """Runs the model over `tokens: i32[B, T]`.
+
+    Args:
+      tokens: `i32[B, T]` token ids (values on padded slots are ignored).
+      mask: `bool[B, T]` real tokens; defaults to all True.
+      cache: a `KVCache`; the new tokens are written at slots `write_index + j` and attend to
+        everything real already in it. None: a plain forward over `tokens` alone.
+      write_index: `i32[B]` first slot to write per row (required with `cache`).
+      routes: `i32[layers, B, T, k]` expert choices to replay (MoE only).
+      compute_logits: False returns hidden states only (for the chunked LM head).
+
+    Returns:
+      A `ModelOutput`.
+    """
+    c = self.config
+    b, t = tokens.shape
+    mask = jnp.ones((b, t), bool) if mask is None else mask.astype(bool)
+    if routes is not None and not c.is_moe:
+      raise ValueError("routes given to a dense model (num_experts == 0)")
+    if cache is None:
+      positions = positions_from_mask(mask)
+      query_slots = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+      key_mask, layer_caches, new_mask = mask, None, None
+    else:
+      if write_index is None:
+        raise ValueError("write_index is required when a cache is given")
+      write_index = write_index.astype(jnp.int32)
+      slot_ids = jnp.arange(cache.size, dtype=jnp.int32)
+      before = jnp.sum(cache.mask & (slot_ids[None] < write_index[:, None]), axis=-1)
+      positions = positions_from_mask(mask, before)
+      query_slots = write_index[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+      rows = jnp.arange(b)[:, None]
+      new_mask = cache.mask.at[rows, query_slots].set(mask, mode="drop")
+      key_mask, layer_caches = new_mask, (cache.k, cache.v)
+
+    x = jnp.take(self.embedding, tokens, axis=0).astype(c.jnp_dtype)
+    x, (new_caches, new_routes) = self.layers(
+        x, positions, query_slots, key_mask, (layer_caches, routes))
+    hidden = self.final_norm(x)
+    new_cache = None
+    if cache is not None:
+      new_cache = KVCache(k=new_caches[0], v=new_caches[1], mask=new_mask)
+    return ModelOutput(hidden=hidden, logits=self.unembed(hidden) if compute_logits else None,
+                       cache=new_cache, routes=new_routes)
+
+  def unembed(self, hidden: Array) -> Array:
+    """`f32[..., V]` logits of final hidden states `[..., hidden_size]`."""
+    dt = self.config.jnp_dtype
+    if self.config.tie_embeddings:
+      logits = hidden.astype(dt) @ self.embedding.astype(dt).T
+    else:
+      logits = hidden.astype(dt) @ self.lm_head.astype(dt)
+    return logits.astype(jnp.float32)
+
+
+def _init_boxed(config: ModelConfig, rng: Array):
+  return Transformer(config).init(rng, jnp.zeros((1, 1), jnp.int32))["params"]
+
+
+def init_params(config: ModelConfig, rng: Array) -> Any:
+  """Random parameters for `config`: a plain pytree of arrays (`param_dtype`)."""
+  return nn.meta.unbox(_init_boxed(config, rng))
+
+
+def param_axes(config: ModelConfig) -> Any:
+  """The logical axis names of every parameter, as a pytree of `PartitionSpec`s."""
+  boxed = jax.eval_shape(lambda rng: _init_boxed(config, rng), jax.random.key(0))
+  return nn.get_partition_spec(boxed)

@@ -1,0 +1,34 @@
+"""pbsd_jax: multi-turn search agents trained with RL and PBSD, in JAX."""
+
+import setuptools
+
+setuptools.setup(
+    name="pbsd_jax",
+    version="0.1.0",
+    description=(
+        "JAX/Flax RL for multi-turn search agents with Privileged Bayesian "
+        "Self-Distillation (PBSD) turn-level credit."
+    ),
+    packages=setuptools.find_packages(include=["pbsd_jax", "pbsd_jax.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "jax>=0.6",
+        "flax>=0.10",
+        "optax>=0.2",
+        "orbax-checkpoint>=0.11",
+        "tensorstore>=0.1.60",
+        "seqio>=0.0.19",
+        "ml-collections>=1.0",
+        "absl-py>=2.0",
+        "numpy>=1.26",
+        "sentencepiece>=0.2",
+        "tokenizers>=0.19",
+        "bm25s>=0.2",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6"],
+        # torch is pinned: 2.13.0 is a local CPU wheel on our machines; an open range
+        # would pull a multi-GB CUDA build.
+        "hf": ["torch==2.13.0", "transformers>=4.51", "safetensors>=0.4"],
+    },
+)
