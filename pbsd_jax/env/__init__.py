@@ -1,0 +1,1 @@
+"""The search environment: protocol, action parsing, retrievers."""
