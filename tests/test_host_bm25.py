@@ -17,8 +17,8 @@ CONTENTS = ["Velora Quint\nVelora Quint was born in Marrow City and works for Os
 
 
 def words(text):
-  """bm25s's default split: lower-cased words of two or more word characters."""
-  return re.findall(r"\b\w\w+\b", text.lower())
+  """The host retriever's split: lower-cased runs of word characters."""
+  return re.findall(r"\b\w+\b", text.lower())
 
 
 def test_host_scores_equal_the_token_index_on_the_same_words():
@@ -26,13 +26,19 @@ def test_host_scores_equal_the_token_index_on_the_same_words():
   vocab = {}
   docs = [[vocab.setdefault(w, len(vocab)) for w in words(c)] for c in CONTENTS]
   index = BM25Index.build(docs, vocab_size=len(vocab))
-  query = "Where was Velora Quint born?"
+  query = "Where was Velora Quint born? 3 a"
   ids = np.array([[vocab.get(w, -1) for w in words(query)]])
   expected_scores, expected_ids = index.search(ids, 3)
   got = retriever.retrieve([query], k=3)[0]
   assert [d.id for d in got] == [str(i) for i in expected_ids[0]]
   np.testing.assert_allclose([d.score for d in got], expected_scores[0], rtol=1e-5)
   assert got[0].contents == CONTENTS[0]
+
+
+def test_single_character_terms_such_as_digits_are_searchable():
+  retriever = HostBM25Retriever.from_texts(["Entity 1 lives here.", "Entity 3 lives here.",
+                                            "Entity 5 lives here."])
+  assert retriever.retrieve(["entity 3"], 1)[0][0].id == "1"
 
 
 def test_k_is_capped_at_corpus_size_and_empty_query_returns_zero_scores():

@@ -1,7 +1,8 @@
 """A host BM25 retriever over large text corpora, backed by the `bm25s` library.
 
-Text is split by `bm25s.tokenize`: lower-cased words of two or more word characters, no
-stemmer, optional stop-word removal (`stopwords`, default none). Scoring is `bm25s`'s Lucene
+Text is split by `bm25s.tokenize`: lower-cased runs of word characters (single characters
+kept, unlike bm25s's default, so digits such as "3" are terms), no stemmer, optional stop-word
+removal (`stopwords`, default none). Scoring is `bm25s`'s Lucene
 BM25 (the formula of `bm25.py`). The corpus is the Search-R1 JSONL format: one object per line
 with a string `contents` and an optional `id` (default: the 0-based row number).
 """
@@ -18,11 +19,13 @@ from pbsd_jax.env.retriever import Document, check_k
 
 _CONFIG = "host_bm25.json"
 _DOCUMENTS = "documents.jsonl"
+_TOKEN_PATTERN = r"(?u)\b\w+\b"
 
 
 def _tokenize(texts: Sequence[str], stopwords: str | None) -> list[list[str]]:
-  return bm25s.tokenize(list(texts), lower=True, stopwords=stopwords, stemmer=None,
-                        return_ids=False, show_progress=False)
+  return bm25s.tokenize(list(texts), lower=True, token_pattern=_TOKEN_PATTERN,
+                        stopwords=stopwords, stemmer=None, return_ids=False,
+                        show_progress=False)
 
 
 def read_corpus(path: str) -> tuple[list[str], list[str]]:
