@@ -1,0 +1,37 @@
+"""Writes the embedded synthetic task (world, corpus, splits, SFT oracle trajectories,
+SentencePiece vocabulary) to a directory.
+
+  python scripts/make_data.py --out /tmp/pbsd_data [--seed 0] [--vocab_size 2048]
+"""
+
+from absl import app
+from absl import flags
+
+from pbsd_jax.data import build
+from pbsd_jax.data import splits
+from pbsd_jax.data import world
+
+_OUT = flags.DEFINE_string("out", None, "Output directory.", required=True)
+_SEED = flags.DEFINE_integer("seed", 0, "The seed everything derives from.")
+_VOCAB_SIZE = flags.DEFINE_integer("vocab_size", 2048, "SentencePiece vocabulary size.")
+_DETOUR_SHARE = flags.DEFINE_float(
+    "detour_share", 0.15, "Share of SFT trajectories with a sloppy first query.")
+_PEOPLE = flags.DEFINE_integer("people", world.WorldSizes.people, "Number of people.")
+_SFT = flags.DEFINE_integer("sft", splits.SplitSizes.sft, "Number of SFT trajectories.")
+_OOD_PER_TIER = flags.DEFINE_integer(
+    "ood_per_tier", splits.SplitSizes.ood_per_tier, "OOD questions per tier.")
+
+
+def main(argv):
+  del argv
+  paths = build.make_dataset(
+      _OUT.value, seed=_SEED.value,
+      world_sizes=world.WorldSizes(people=_PEOPLE.value),
+      split_sizes=splits.SplitSizes(sft=_SFT.value, ood_per_tier=_OOD_PER_TIER.value),
+      detour_share=_DETOUR_SHARE.value, vocab_size=_VOCAB_SIZE.value)
+  for name, path in sorted(paths.items()):
+    print(f"{name:14s} {path}")
+
+
+if __name__ == "__main__":
+  app.run(main)
