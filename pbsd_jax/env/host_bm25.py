@@ -2,20 +2,24 @@
 
 Text is split by `bm25s.tokenize`: lower-cased runs of word characters (single characters
 kept, unlike bm25s's default, so digits such as "3" are terms), no stemmer, optional stop-word
-removal (`stopwords`, default none). Scoring is `bm25s`'s Lucene
-BM25 (the formula of `bm25.py`). The corpus is the Search-R1 JSONL format: one object per line
+removal (`stopwords`, default none). Scoring is `bm25s`'s Lucene BM25 (the formula of
+`bm25.py`). The corpus is the Search-R1 JSONL format: one object per line
 with a string `contents` and an optional `id` (default: the 0-based row number).
+
+`bm25s` is imported lazily: importing it runs a JAX computation, which must not happen before
+`jax.distributed.initialize` in a multi-host job that merely imports this module.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Sequence
-
-import bm25s
+from typing import TYPE_CHECKING, Sequence
 
 from pbsd_jax.env.retriever import Document, check_k
+
+if TYPE_CHECKING:
+  import bm25s
 
 _CONFIG = "host_bm25.json"
 _DOCUMENTS = "documents.jsonl"
@@ -23,6 +27,7 @@ _TOKEN_PATTERN = r"(?u)\b\w+\b"
 
 
 def _tokenize(texts: Sequence[str], stopwords: str | None) -> list[list[str]]:
+  import bm25s  # pylint: disable=g-import-not-at-top
   return bm25s.tokenize(list(texts), lower=True, token_pattern=_TOKEN_PATTERN,
                         stopwords=stopwords, stemmer=None, return_ids=False,
                         show_progress=False)
@@ -86,6 +91,7 @@ class HostBM25Retriever:
     """Indexes `contents` (ids default to "0", "1", ...)."""
     if not contents:
       raise ValueError("contents is empty: a BM25 index needs at least one document")
+    import bm25s  # pylint: disable=g-import-not-at-top
     ids = [str(i) for i in range(len(contents))] if ids is None else [str(i) for i in ids]
     bm25 = bm25s.BM25(k1=k1, b=b, method="lucene")
     bm25.index(_tokenize(contents, stopwords), show_progress=False)
@@ -116,6 +122,7 @@ class HostBM25Retriever:
       raise ValueError(f"{directory} is not a saved HostBM25Retriever (no {_CONFIG})")
     with open(config_path, encoding="utf-8") as f:
       config = json.load(f)
+    import bm25s  # pylint: disable=g-import-not-at-top
     ids, contents = read_corpus(os.path.join(directory, _DOCUMENTS))
     bm25 = bm25s.BM25.load(directory, show_progress=False)
     return cls(bm25, ids, contents, config["stopwords"])
