@@ -29,6 +29,6 @@ setuptools.setup(
         "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6"],
         # torch is pinned: 2.13.0 is a local CPU wheel on our machines; an open range
         # would pull a multi-GB CUDA build.
-        "hf": ["torch==2.13.0", "transformers>=4.51", "safetensors>=0.4"],
+        "hf": ["torch==2.13.0", "transformers>=4.51", "safetensors>=0.4", "jinja2>=3.1.6"],
     },
 )

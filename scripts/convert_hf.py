@@ -1,0 +1,155 @@
+r"""Converts Hugging Face checkpoints to our orbax checkpoints and back.
+
+Import (HF -> orbax):
+
+  python scripts/convert_hf.py --hf_dir /models/Qwen3-0.6B --out /ckpt/qwen3
+
+writes `/ckpt/qwen3/params` (orbax `StandardCheckpointer`, state `{"params": params}`),
+`/ckpt/qwen3/model_config.json` (our `ModelConfig`) and `/ckpt/qwen3/hf_assets/` (the
+tokenizer files and the original `config.json`, so an export can restore them).
+
+Export (orbax -> HF):
+
+  python scripts/convert_hf.py --direction=export --ckpt_dir /ckpt/qwen3 --out /models/out
+
+writes a directory that `transformers.AutoModelForCausalLM.from_pretrained` loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from typing import Any
+
+from absl import app, flags
+import jax
+import orbax.checkpoint as ocp
+
+from pbsd_jax.models import hf
+from pbsd_jax.models.config import ModelConfig
+from pbsd_jax.models.transformer import init_params
+
+MODEL_CONFIG_FILE = "model_config.json"
+PARAMS_DIR = "params"
+ASSETS_DIR = "hf_assets"
+# Fields of the original config.json that an export carries over (token ids, context length).
+_CARRIED_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
+_WEIGHT_FILES = (hf.SINGLE_FILE, hf.INDEX_FILE)
+
+
+def save_params_checkpoint(directory: str, config: ModelConfig, params: Any) -> None:
+  """Writes `{"params": params}` with orbax under `directory/params` plus `model_config.json`."""
+  directory = os.path.abspath(directory)
+  os.makedirs(directory, exist_ok=True)
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(os.path.join(directory, PARAMS_DIR), {"params": params})
+  checkpointer.wait_until_finished()
+  with open(os.path.join(directory, MODEL_CONFIG_FILE), "w") as f:
+    json.dump(dataclasses.asdict(config), f, indent=2)
+
+
+def load_model_config(directory: str) -> ModelConfig:
+  """The `ModelConfig` stored in `directory/model_config.json`; unknown fields are an error."""
+  path = os.path.join(directory, MODEL_CONFIG_FILE)
+  with open(path) as f:
+    fields = json.load(f)
+  known = {field.name for field in dataclasses.fields(ModelConfig)}
+  unknown = sorted(set(fields) - known)
+  if unknown:
+    raise ValueError(f"{path}: unknown ModelConfig fields {unknown}")
+  return ModelConfig(**fields)
+
+
+def restore_params_checkpoint(directory: str, shardings: Any = None) -> tuple[ModelConfig, Any]:
+  """Reads what `save_params_checkpoint` wrote: `(config, params)`.
+
+  Args:
+    directory: the checkpoint directory.
+    shardings: optional pytree of `jax.sharding.Sharding` matching the params; default: the
+      first local device.
+  """
+  directory = os.path.abspath(directory)
+  config = load_model_config(directory)
+  shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+  if shardings is None:
+    device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    shardings = jax.tree_util.tree_map(lambda _: device, shapes)
+  target = jax.tree_util.tree_map(
+      lambda s, sharding: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding),
+      shapes, shardings)
+  restored = ocp.StandardCheckpointer().restore(os.path.join(directory, PARAMS_DIR),
+                                                {"params": target})
+  return config, restored["params"]
+
+
+def convert_import(hf_dir: str, out: str, param_dtype: str | None = None) -> ModelConfig:
+  """HF directory -> orbax checkpoint directory (params, model config, HF assets)."""
+  config, params = hf.load(hf_dir, param_dtype=param_dtype)
+  save_params_checkpoint(out, config, params)
+  assets = os.path.join(out, ASSETS_DIR)
+  os.makedirs(assets, exist_ok=True)
+  for name in sorted(os.listdir(hf_dir)):
+    source = os.path.join(hf_dir, name)
+    if os.path.isfile(source) and name not in _WEIGHT_FILES and not name.endswith(
+        ".safetensors"):
+      shutil.copy2(source, os.path.join(assets, name))
+  return config
+
+
+def convert_export(ckpt_dir: str, out: str, architecture: str | None = None,
+                   max_shard_size: str = "5GB") -> ModelConfig:
+  """Orbax checkpoint directory -> HF directory (with the assets saved at import, if any)."""
+  config, params = restore_params_checkpoint(ckpt_dir)
+  assets = os.path.join(ckpt_dir, ASSETS_DIR)
+  extra, original_arch = {}, None
+  if os.path.exists(os.path.join(assets, hf.CONFIG_FILE)):
+    with open(os.path.join(assets, hf.CONFIG_FILE)) as f:
+      original = json.load(f)
+    extra = {key: original[key] for key in _CARRIED_FIELDS if key in original}
+    original_arch = (original.get("architectures") or [None])[0]
+  if architecture is None and original_arch in hf.SUPPORTED_ARCHITECTURES:
+    try:
+      hf.config_to_hf(config, original_arch)
+      architecture = original_arch
+    except ValueError:
+      architecture = None  # the model changed shape since import; use the default class
+  hf.save(config, params, out, architecture=architecture, max_shard_size=max_shard_size,
+          extra_config=extra)
+  if os.path.isdir(assets):
+    for name in sorted(os.listdir(assets)):
+      if name != hf.CONFIG_FILE:
+        shutil.copy2(os.path.join(assets, name), os.path.join(out, name))
+  return config
+
+
+_DIRECTION = flags.DEFINE_enum("direction", "import", ["import", "export"],
+                               "import: HF -> orbax; export: orbax -> HF.")
+_HF_DIR = flags.DEFINE_string("hf_dir", None, "Hugging Face model directory to import.")
+_CKPT_DIR = flags.DEFINE_string("ckpt_dir", None, "Checkpoint directory to export.")
+_OUT = flags.DEFINE_string("out", None, "Output directory.", required=True)
+_ARCHITECTURE = flags.DEFINE_enum("architecture", None, list(hf.SUPPORTED_ARCHITECTURES),
+                                  "Export as this HF class (default: as imported, else "
+                                  "inferred from the config).")
+_MAX_SHARD_SIZE = flags.DEFINE_string("max_shard_size", "5GB", "Export shard size.")
+_PARAM_DTYPE = flags.DEFINE_enum("param_dtype", None, ["float32", "bfloat16", "float16"],
+                                 "Import: parameter dtype (default: the checkpoint's).")
+
+
+def main(argv):
+  del argv
+  if _DIRECTION.value == "import":
+    if not _HF_DIR.value:
+      raise app.UsageError("--direction=import needs --hf_dir")
+    config = convert_import(_HF_DIR.value, _OUT.value, _PARAM_DTYPE.value)
+  else:
+    if not _CKPT_DIR.value:
+      raise app.UsageError("--direction=export needs --ckpt_dir")
+    config = convert_export(_CKPT_DIR.value, _OUT.value, _ARCHITECTURE.value,
+                            _MAX_SHARD_SIZE.value)
+  print(f"wrote {_OUT.value}: {config}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,126 @@
+"""Tiny Hugging Face checkpoints written by `transformers` itself, for the interop tests.
+
+Every parameter (norm scales and biases included) is random, so a wrong mapping of any single
+tensor changes the logits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import transformers
+
+# The models are tiny: one thread is fastest, and several threads contending with XLA's on a
+# shared CPU make generation orders of magnitude slower.
+torch.set_num_threads(1)
+
+_BASE = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None,
+             pad_token_id=None, max_position_embeddings=256)
+
+# name -> (model_type, config overrides). Together: QKV bias, q/k norm, head_dim != D/H, MoE with
+# and without renormalised top-k, tied and untied embeddings, 1 and 2 KV heads, theta 1e4 and 1e6.
+CASES = {
+    "qwen2": ("qwen2", dict(num_key_value_heads=2, rope_theta=1e6, tie_word_embeddings=False)),
+    "qwen2_tied_mqa": ("qwen2", dict(num_key_value_heads=1, rope_theta=1e4,
+                                     tie_word_embeddings=True)),
+    "qwen3_wide_heads": ("qwen3", dict(num_key_value_heads=2, head_dim=16, rope_theta=1e6,
+                                       tie_word_embeddings=True)),
+    "qwen3_moe": ("qwen3_moe", dict(num_key_value_heads=1, head_dim=16, rope_theta=1e6,
+                                    num_experts=4, num_experts_per_tok=2,
+                                    moe_intermediate_size=16, norm_topk_prob=True,
+                                    tie_word_embeddings=False)),
+    "qwen3_moe_unnormed_tied": ("qwen3_moe", dict(num_key_value_heads=2, rope_theta=1e4,
+                                                  num_experts=4, num_experts_per_tok=2,
+                                                  moe_intermediate_size=16,
+                                                  norm_topk_prob=False,
+                                                  tie_word_embeddings=True)),
+    "llama_mqa": ("llama", dict(num_key_value_heads=1, rope_theta=1e4,
+                                tie_word_embeddings=False)),
+    "llama_tied_gqa": ("llama", dict(num_key_value_heads=2, rope_theta=1e6,
+                                     tie_word_embeddings=True)),
+    "llama_attention_bias": ("llama", dict(num_key_value_heads=2, rope_theta=1e4,
+                                           attention_bias=True, tie_word_embeddings=False)),
+}
+
+
+def hf_config(case: str) -> transformers.PretrainedConfig:
+  model_type, overrides = CASES[case]
+  return transformers.AutoConfig.for_model(model_type, **{**_BASE, **overrides})
+
+
+def randomize_(model: torch.nn.Module, seed: int, zero_output_bias: bool = True) -> None:
+  """Noise on every parameter: norm scales 1 + 0.2 N(0,1), everything else 0.2 N(0,1).
+
+  `zero_output_bias` zeroes Llama's o_proj bias (our model has none; a nonzero one must be
+  rejected at load, which the tests check with `zero_output_bias=False`).
+  """
+  generator = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for name, param in model.named_parameters():
+      noise = 0.2 * torch.randn(param.shape, generator=generator)
+      param.copy_(1.0 + noise if name.endswith("norm.weight") else noise)
+      if zero_output_bias and name.endswith("o_proj.bias"):
+        param.zero_()
+
+
+def make_model(case: str, seed: int = 0, zero_output_bias: bool = True):
+  """A random f32 eager-attention model of `case`, in eval mode."""
+  torch.manual_seed(seed)
+  model = transformers.AutoModelForCausalLM.from_config(
+      hf_config(case), dtype=torch.float32, attn_implementation="eager")
+  randomize_(model, seed, zero_output_bias)
+  return model.eval()
+
+
+def write_checkpoint(case: str, path: str, seed: int = 0, max_shard_size: str = "5GB",
+                     zero_output_bias: bool = True):
+  """`save_pretrained` of `make_model(case)` into `path`; returns the torch model."""
+  model = make_model(case, seed, zero_output_bias)
+  model.save_pretrained(path, max_shard_size=max_shard_size)
+  return model
+
+
+def from_pretrained(path: str):
+  return transformers.AutoModelForCausalLM.from_pretrained(
+      path, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+def torch_logits(model, tokens, mask):
+  """HF logits with our position convention: positions count real (mask True) tokens only."""
+  tokens = torch.as_tensor(tokens, dtype=torch.long)
+  mask = torch.as_tensor(mask, dtype=torch.long)
+  positions = torch.clamp(torch.cumsum(mask, -1) - 1, min=0)
+  with torch.no_grad():
+    return model(input_ids=tokens, attention_mask=mask, position_ids=positions).logits.numpy()
+
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + eos_token + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def write_chatml_tokenizer(path: str) -> None:
+  """A tiny word-level `tokenizer.json` with ChatML special tokens and a Qwen-style template."""
+  import tokenizers  # pylint: disable=g-import-not-at-top
+  from tokenizers import models, pre_tokenizers  # pylint: disable=g-import-not-at-top
+
+  words = ["<unk>", "system", "user", "assistant", "hello", "who", "are", "you", "?", "\n"]
+  tokenizer = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)},
+                                                    unk_token="<unk>"))
+  tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+  tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
+  os.makedirs(path, exist_ok=True)
+  tokenizer.save(os.path.join(path, "tokenizer.json"))
+  with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
+    json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML_TEMPLATE,
+               "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+               "unk_token": "<unk>"}, f)
