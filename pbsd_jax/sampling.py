@@ -1,0 +1,262 @@
+"""Jitted sampling: prefill, batched appends and a `lax.while_loop` decode with per-row cursors.
+
+Token buffer: `DecodeState.tokens: i32[B, S]`, where column `s` is KV-cache slot `s`. A prompt
+left-padded to width P occupies columns `[0, P)`; everything after is written contiguously
+from each row's `cursor` (rows advance independently), and the rest is right padding. The
+multi-turn rollout composes these three calls: `prefill` the prompts once, then per turn
+`decode` an action and `append` the observation as one batched prefill.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from pbsd_jax.models import KVCache, ModelConfig, Transformer
+
+Array = jax.Array
+
+# Why a row's `decode` ended (`DecodeResult.stop_reason`).
+RUNNING, STOP_BUDGET, STOP_EOS, STOP_SEQUENCE, STOP_BUFFER_FULL = 0, 1, 2, 3, 4
+
+
+@struct.dataclass
+class DecodeState:
+  """Everything a decode needs to resume: the buffer, the cache and the next-token logits.
+
+  Attributes:
+    tokens: `i32[B, S]` token buffer; column s is cache slot s (0 where nothing was written).
+    sampled: `bool[B, S]` True on slots holding a token the policy sampled.
+    sample_logp: `f32[B, S]` the sampler's log-prob of each sampled token, 0 elsewhere.
+    cache: the `KVCache` over the buffer (its `mask` marks real slots).
+    cursor: `i32[B]` the next slot each row writes.
+    logits: `f32[B, V]` next-token logits after the last real token of each row.
+  """
+
+  tokens: Array
+  sampled: Array
+  sample_logp: Array
+  cache: KVCache
+  cursor: Array
+  logits: Array
+
+  @property
+  def mask(self) -> Array:
+    """`bool[B, S]` slots holding a real token (prompt, sampled or appended)."""
+    return self.cache.mask
+
+  @property
+  def buffer_size(self) -> int:
+    return self.tokens.shape[1]
+
+
+@struct.dataclass
+class DecodeResult:
+  """What one `decode` call did per row.
+
+  Attributes:
+    num_new: `i32[B]` tokens sampled in this call.
+    stop_reason: `i32[B]` one of STOP_BUDGET, STOP_EOS, STOP_SEQUENCE, STOP_BUFFER_FULL, or
+      RUNNING for rows that were inactive or hit `max_steps`.
+    stop_index: `i32[B]` which stop sequence matched (-1 if none).
+  """
+
+  num_new: Array
+  stop_reason: Array
+  stop_index: Array
+
+
+def stop_sequence_array(stops: list[list[int]], batch: int | None = None) -> Array:
+  """Right-aligns stop sequences into `i32[n, L]` (or `[B, n, L]`), -1 padded on the left.
+
+  A stop of length l matches when the last l sampled tokens equal it; -1 entries match
+  anything, which is how shorter stops share the array with longer ones.
+  """
+  if not stops:
+    raise ValueError("stop_sequence_array needs at least one stop sequence")
+  if any(len(s) == 0 for s in stops):
+    raise ValueError("stop sequences must be non-empty")
+  width = max(len(s) for s in stops)
+  arr = jnp.array([[-1] * (width - len(s)) + list(s) for s in stops], jnp.int32)
+  return arr if batch is None else jnp.broadcast_to(arr, (batch, *arr.shape))
+
+
+def sample_token(rng: Array, logits: Array, temperature: float = 1.0, top_k: int = 0,
+                 top_p: float = 1.0) -> tuple[Array, Array]:
+  """Samples `i32[B]` tokens from `f32[B, V]` logits; also returns their `f32[B]` log-probs.
+
+  temperature 0 is greedy. top_k=0 and top_p=1 disable those filters. The returned log-prob is
+  under the temperature-scaled, unfiltered distribution (what the learner recomputes); it is
+  for diagnostics only.
+  """
+  logits = logits.astype(jnp.float32)
+  if temperature == 0.0:
+    token = jnp.argmax(logits, axis=-1)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    return token.astype(jnp.int32), jnp.take_along_axis(logp, token[:, None], -1)[:, 0]
+  scaled = logits / temperature
+  logp = jax.nn.log_softmax(scaled, axis=-1)
+  filtered = scaled
+  if top_k > 0:
+    kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
+    filtered = jnp.where(scaled < kth, -jnp.inf, filtered)
+  if top_p < 1.0:
+    order = jnp.argsort(-filtered, axis=-1)
+    sorted_probs = jax.nn.softmax(jnp.take_along_axis(filtered, order, -1), axis=-1)
+    # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass strictly
+    # before it is below top_p (so the most likely token always stays).
+    keep_sorted = (jnp.cumsum(sorted_probs, axis=-1) - sorted_probs) < top_p
+    keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(
+        keep_sorted)
+    filtered = jnp.where(keep, filtered, -jnp.inf)
+  token = jax.random.categorical(rng, filtered, axis=-1).astype(jnp.int32)
+  return token, jnp.take_along_axis(logp, token[:, None], -1)[:, 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampler:
+  """The sampling loop's static settings; hashable, so its methods jit with `self` static.
+
+  Attributes:
+    model: the model config.
+    temperature: softmax temperature (0 = greedy).
+    top_k: keep the k most likely tokens (0 = off).
+    top_p: nucleus mass (1.0 = off).
+    eos_id: end-of-sequence token id, or None.
+  """
+
+  model: ModelConfig
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  eos_id: int | None = None
+
+  def __post_init__(self):
+    if self.temperature < 0:
+      raise ValueError(f"Sampler.temperature must be >= 0, got {self.temperature}")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"Sampler.top_p must be in (0, 1], got {self.top_p}")
+    if self.top_k < 0 or self.top_k > self.model.vocab_size:
+      raise ValueError(f"Sampler.top_k must be in [0, vocab_size], got {self.top_k}")
+
+  def _forward(self, params, tokens, mask, cache, write_index):
+    return Transformer(self.model).apply({"params": params}, tokens, mask, cache=cache,
+                                         write_index=write_index)
+
+  @functools.partial(jax.jit, static_argnums=(0, 4))
+  def prefill(self, params, tokens: Array, mask: Array, buffer_size: int) -> DecodeState:
+    """Starts a buffer of `buffer_size` slots from prompts `i32[B, P]` left-padded (`mask`).
+
+    Every row's cursor starts at P; the next-token logits are those after column P-1.
+    """
+    b, p = tokens.shape
+    if buffer_size < p:
+      raise ValueError(f"buffer_size={buffer_size} is smaller than the prompt width {p}")
+    cache = KVCache.init(self.model, b, buffer_size)
+    out = self._forward(params, tokens, mask, cache, jnp.zeros((b,), jnp.int32))
+    buf = jnp.zeros((b, buffer_size), jnp.int32).at[:, :p].set(jnp.where(mask, tokens, 0))
+    return DecodeState(tokens=buf, sampled=jnp.zeros((b, buffer_size), bool),
+                       sample_logp=jnp.zeros((b, buffer_size), jnp.float32), cache=out.cache,
+                       cursor=jnp.full((b,), p, jnp.int32), logits=out.logits[:, -1])
+
+  @functools.partial(jax.jit, static_argnums=(0,))
+  def append(self, params, state: DecodeState, tokens: Array, lengths: Array) -> DecodeState:
+    """Writes `tokens[b, :lengths[b]]` (`i32[B, n]`) at each row's cursor in one prefill.
+
+    Rows with length 0 are untouched. Tokens that would pass the end of the buffer are
+    dropped, so callers truncate observations to the room they have.
+    """
+    b, n = tokens.shape
+    lengths = jnp.minimum(lengths.astype(jnp.int32), state.buffer_size - state.cursor)
+    mask = jnp.arange(n)[None, :] < lengths[:, None]
+    out = self._forward(params, tokens, mask, state.cache, state.cursor)
+    rows, cols = jnp.arange(b)[:, None], state.cursor[:, None] + jnp.arange(n)[None, :]
+    buf = state.tokens.at[rows, jnp.where(mask, cols, state.buffer_size)].set(tokens, mode="drop")
+    last = jnp.take_along_axis(out.logits, jnp.maximum(lengths - 1, 0)[:, None, None], 1)[:, 0]
+    return state.replace(tokens=buf, cache=out.cache, cursor=state.cursor + lengths,
+                         logits=jnp.where((lengths > 0)[:, None], last, state.logits))
+
+  @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("max_steps",))
+  def decode(self, params, state: DecodeState, rng: Array, budget: Array,
+             stop_sequences: Array | None = None, active: Array | None = None, *,
+             max_steps: int) -> tuple[DecodeState, DecodeResult]:
+    """Samples until every active row stops (or `max_steps` steps), one token per step.
+
+    Args:
+      params: model parameters.
+      state: the state to continue from.
+      rng: PRNG key; the same key gives the same tokens.
+      budget: `i32[B]` most tokens each row may sample in this call.
+      stop_sequences: `i32[n, L]` or per-row `i32[B, n, L]` from `stop_sequence_array`; a
+        row stops right after the last token of a matching stop.
+      active: `bool[B]` rows that sample (default all).
+      max_steps: static bound on the loop (a budget larger than it is cut to it).
+
+    Returns:
+      The new state and a `DecodeResult`.
+    """
+    b = state.tokens.shape[0]
+    active = jnp.ones((b,), bool) if active is None else active.astype(bool)
+    if stop_sequences is None:
+      stop_sequences = jnp.full((b, 1, 1), -1, jnp.int32)  # all-wildcard: no stop
+    elif stop_sequences.ndim == 2:
+      stop_sequences = jnp.broadcast_to(stop_sequences, (b, *stop_sequences.shape))
+    width = stop_sequences.shape[-1]
+    # -2 marks "nothing sampled yet", so a stop never matches across the call boundary.
+    recent = jnp.full((b, width), -2, jnp.int32)
+    result = DecodeResult(num_new=jnp.zeros((b,), jnp.int32),
+                          stop_reason=jnp.where(active & (budget <= 0), STOP_BUDGET, RUNNING),
+                          stop_index=jnp.full((b,), -1, jnp.int32))
+
+    def running(carry):
+      _, res, _, step = carry
+      return (step < max_steps) & jnp.any(active & (res.stop_reason == RUNNING))
+
+    def body(carry):
+      st, res, recent, step = carry
+      live = active & (res.stop_reason == RUNNING)
+      token, logp = sample_token(jax.random.fold_in(rng, step), st.logits, self.temperature,
+                                 self.top_k, self.top_p)
+      out = self._forward(params, token[:, None], live[:, None], st.cache, st.cursor)
+      rows = jnp.arange(b)
+      slot = jnp.where(live, st.cursor, st.buffer_size)  # out of range: dropped
+      st = st.replace(
+          tokens=st.tokens.at[rows, slot].set(token, mode="drop"),
+          sampled=st.sampled.at[rows, slot].set(True, mode="drop"),
+          sample_logp=st.sample_logp.at[rows, slot].set(logp, mode="drop"),
+          cache=out.cache, cursor=st.cursor + live,
+          logits=jnp.where(live[:, None], out.logits[:, 0], st.logits))
+      recent = jnp.where(live[:, None], jnp.concatenate([recent[:, 1:], token[:, None]], 1),
+                         recent)
+      matches = jnp.all((stop_sequences == -1) | (stop_sequences == recent[:, None, :]), -1)
+      matches &= jnp.any(stop_sequences != -1, axis=-1)
+      num_new = res.num_new + live
+      is_eos = (token == self.eos_id) if self.eos_id is not None else jnp.zeros((b,), bool)
+      reason = jnp.select(
+          [is_eos, jnp.any(matches, -1), num_new >= budget, st.cursor >= st.buffer_size],
+          [STOP_EOS, STOP_SEQUENCE, STOP_BUDGET, STOP_BUFFER_FULL], RUNNING)
+      res = DecodeResult(
+          num_new=num_new,
+          stop_reason=jnp.where(live, reason, res.stop_reason),
+          stop_index=jnp.where(live & jnp.any(matches, -1), jnp.argmax(matches, -1),
+                               res.stop_index))
+      return st, res, recent, step + 1
+
+    state, result, _, _ = jax.lax.while_loop(
+        running, body, (state, result, recent, jnp.int32(0)))
+    return state, result
+
+  def generate(self, params, tokens: Array, mask: Array, rng: Array, max_new_tokens: int,
+               stop_sequences: Array | None = None,
+               budget: Array | None = None) -> tuple[DecodeState, DecodeResult]:
+    """Prefill + one decode: continues left-padded prompts `i32[B, P]` by up to
+    `max_new_tokens` tokens (per-row `budget: i32[B]` may lower it)."""
+    b, p = tokens.shape
+    state = self.prefill(params, tokens, mask, p + max_new_tokens)
+    if budget is None:
+      budget = jnp.full((b,), max_new_tokens, jnp.int32)
+    return self.decode(params, state, rng, budget, stop_sequences, max_steps=max_new_tokens)

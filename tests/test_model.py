@@ -1,0 +1,213 @@
+"""The transformer: cache/full-forward equivalence, padding invariance, MoE routing, configs."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pbsd_jax.likelihood import token_logprobs
+from pbsd_jax.models import KVCache, ModelConfig, Transformer, init_params, param_axes
+
+DENSE = ModelConfig(vocab_size=61, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                    mlp_dim=48, qkv_bias=True)
+QWEN3 = ModelConfig(vocab_size=61, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=1,
+                    head_dim=12, mlp_dim=48, qk_norm=True, rope_theta=1e6, tie_embeddings=True)
+MOE = ModelConfig(vocab_size=61, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                  mlp_dim=48, qk_norm=True, num_experts=4, num_experts_per_tok=2,
+                  expert_mlp_dim=24)
+
+
+def _randomize(params, seed=0):
+  """Random values everywhere (norm scales and biases too), so a wrong mapping shows."""
+  leaves, tree = jax.tree.flatten(params)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  return jax.tree.unflatten(tree, [x + 0.1 * jax.random.normal(k, x.shape, x.dtype)
+                                   for x, k in zip(leaves, keys)])
+
+
+def _setup(config, seed=0):
+  return _randomize(init_params(config, jax.random.key(seed)), seed)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(config, params, tokens, mask=None, cache=None, write_index=None, routes=None):
+  return Transformer(config).apply({"params": params}, tokens, mask, cache=cache,
+                                   write_index=write_index, routes=routes)
+
+
+token_logprobs = jax.jit(token_logprobs, static_argnums=1,
+                         static_argnames=("chunk_size", "with_entropy"))
+
+
+@pytest.mark.parametrize("config", [DENSE, QWEN3, MOE], ids=["dense", "qwen3", "moe"])
+def test_cached_decode_reproduces_full_forward_logits(config):
+  params = _setup(config)
+  tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, config.vocab_size)
+  full = _forward(config, params, tokens).logits
+  out = _forward(config, params, tokens[:, :5], cache=KVCache.init(config, 2, 16),
+                 write_index=jnp.zeros(2, jnp.int32))
+  logits, cache = [out.logits], out.cache
+  for i in range(5, 12):
+    out = _forward(config, params, tokens[:, i:i + 1], cache=cache,
+                   write_index=jnp.full((2,), i))
+    logits.append(out.logits)
+    cache = out.cache
+  np.testing.assert_allclose(jnp.concatenate(logits, 1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_rows_advance_independently_in_the_cache():
+  # Row 0 has a 3-token prompt, row 1 a 6-token one (left-padded); then each appends a
+  # different number of tokens at its own cursor. Each row must equal its own plain forward.
+  params = _setup(DENSE)
+  seqs = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17, 18, 19, 20]]
+  prompt = jnp.array([[0, 0, 0, 5, 6, 7], [12, 13, 14, 15, 16, 17]])
+  pmask = prompt > 0
+  out = _forward(DENSE, params, prompt, pmask, cache=KVCache.init(DENSE, 2, 12),
+                 write_index=jnp.zeros(2, jnp.int32))
+  new = jnp.array([[8, 9, 10, 11], [18, 19, 20, 0]])
+  nmask = jnp.array([[True] * 4, [True, True, True, False]])
+  out = _forward(DENSE, params, new, nmask, cache=out.cache, write_index=jnp.array([6, 6]))
+  for row, seq in enumerate(seqs):
+    alone = _forward(DENSE, params, jnp.array([seq])).logits[0]
+    n_new = int(nmask[row].sum())
+    np.testing.assert_allclose(out.logits[row, :n_new], alone[len(seq) - n_new:], atol=1e-5)
+
+
+@pytest.mark.parametrize("config", [DENSE, QWEN3], ids=["dense", "qwen3"])
+def test_left_padding_does_not_change_logits_of_real_tokens(config):
+  params = _setup(config)
+  tokens = jax.random.randint(jax.random.key(2), (1, 9), 1, config.vocab_size)
+  ref = _forward(config, params, tokens).logits[0]
+  for pad in (1, 4, 7):
+    padded = jnp.concatenate([jnp.full((1, pad), 3), tokens], 1)  # pad ids are arbitrary
+    mask = jnp.arange(pad + 9)[None] >= pad
+    got = _forward(config, params, padded, mask).logits[0, pad:]
+    np.testing.assert_allclose(got, ref, atol=1e-5)
+
+
+def test_token_logprobs_equal_brute_force_log_softmax():
+  params = _setup(DENSE)
+  tokens = jnp.array([[0, 0, 4, 9, 2, 33], [7, 1, 5, 5, 60, 0]])
+  mask = jnp.array([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0]], bool)
+  logits = _forward(DENSE, params, tokens, mask).logits
+  want = np.zeros((2, 6), np.float32)
+  for b in range(2):
+    for t in range(1, 6):
+      if mask[b, t] and mask[b, t - 1]:
+        want[b, t] = jax.nn.log_softmax(logits[b, t - 1])[tokens[b, t]]
+  np.testing.assert_allclose(token_logprobs(params, DENSE, tokens, mask), want, atol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 4, 100])
+def test_chunked_logprobs_equal_unchunked(chunk):
+  params = _setup(MOE)
+  tokens = jax.random.randint(jax.random.key(3), (2, 11), 0, MOE.vocab_size)
+  mask = jnp.ones((2, 11), bool).at[1, :3].set(False)
+  full, ent = token_logprobs(params, MOE, tokens, mask, with_entropy=True)
+  got, got_ent = token_logprobs(params, MOE, tokens, mask, chunk_size=chunk, with_entropy=True)
+  np.testing.assert_allclose(got, full, atol=1e-6)
+  np.testing.assert_allclose(got_ent, ent, atol=1e-6)
+
+
+def test_chunked_logprob_gradients_equal_unchunked():
+  params = _setup(DENSE)
+  tokens = jax.random.randint(jax.random.key(4), (2, 10), 0, DENSE.vocab_size)
+  mask = jnp.ones((2, 10), bool)
+  loss = lambda p, c: token_logprobs(p, DENSE, tokens, mask, chunk_size=c).sum()
+  g_full, g_chunk = jax.grad(loss)(params, None), jax.grad(loss)(params, 3)
+  for a, b in zip(jax.tree.leaves(g_full), jax.tree.leaves(g_chunk)):
+    np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_entropy_matches_definition():
+  params = _setup(DENSE)
+  tokens = jnp.array([[3, 4, 5]])
+  _, ent = token_logprobs(params, DENSE, tokens, jnp.ones((1, 3), bool), with_entropy=True)
+  p = jax.nn.softmax(_forward(DENSE, params, tokens).logits[0, 1])
+  np.testing.assert_allclose(ent[0, 2], -jnp.sum(p * jnp.log(p)), atol=1e-5)
+
+
+def test_moe_returns_router_choices_with_documented_shape():
+  params = _setup(MOE)
+  out = _forward(MOE, params, jnp.ones((3, 7), jnp.int32))
+  assert out.routes.shape == (MOE.num_layers, 3, 7, MOE.num_experts_per_tok)
+  assert out.routes.dtype == jnp.int32
+  assert int(out.routes.min()) >= 0 and int(out.routes.max()) < MOE.num_experts
+  # Top-k choices are distinct experts per token.
+  r = np.asarray(out.routes)
+  assert np.all(r[..., 0] != r[..., 1])
+
+
+def test_routing_replay_with_recorded_choices_reproduces_outputs():
+  params = _setup(MOE)
+  tokens = jax.random.randint(jax.random.key(5), (2, 8), 0, MOE.vocab_size)
+  first = _forward(MOE, params, tokens)
+  replay = _forward(MOE, params, tokens, routes=first.routes)
+  np.testing.assert_array_equal(replay.logits, first.logits)
+  np.testing.assert_array_equal(replay.routes, first.routes)
+  # Replaying other choices really changes the computation (the replay is not ignored).
+  other = (first.routes + 1) % MOE.num_experts
+  changed = _forward(MOE, params, tokens, routes=other)
+  assert float(jnp.abs(changed.logits - first.logits).max()) > 1e-3
+
+
+def test_routes_given_to_a_dense_model_raise():
+  params = _setup(DENSE)
+  with pytest.raises(ValueError, match="dense"):
+    _forward(DENSE, params, jnp.ones((1, 2), jnp.int32),
+             routes=jnp.zeros((2, 1, 2, 2), jnp.int32))
+
+
+def test_every_parameter_has_logical_axes_of_its_rank():
+  axes = param_axes(MOE)
+  params = init_params(MOE, jax.random.key(0))
+  flat_axes = jax.tree.leaves(axes, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+  flat_params = jax.tree.leaves(params)
+  assert len(flat_axes) == len(flat_params)
+  for spec, p in zip(flat_axes, flat_params):
+    assert len(spec) == p.ndim and all(isinstance(a, str) for a in spec)
+  assert axes["layers"]["moe"]["gate_kernel"] == jax.sharding.PartitionSpec(
+      "layers", "expert", "embed", "mlp")
+  assert axes["embedding"] == jax.sharding.PartitionSpec("vocab", "embed")
+
+
+def test_untied_model_has_lm_head_and_tied_model_does_not():
+  assert "lm_head" in init_params(DENSE, jax.random.key(0))
+  assert "lm_head" not in init_params(QWEN3, jax.random.key(0))
+
+
+def test_param_and_compute_dtypes_are_separate():
+  config = DENSE.replace(param_dtype="float32", dtype="bfloat16")
+  params = init_params(config, jax.random.key(0))
+  assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
+  out = _forward(config, params, jnp.ones((1, 4), jnp.int32))
+  assert out.hidden.dtype == jnp.bfloat16 and out.logits.dtype == jnp.float32
+  ref = _forward(DENSE, params, jnp.ones((1, 4), jnp.int32)).logits
+  np.testing.assert_allclose(out.logits, ref, atol=0.05)
+  bf16_params = init_params(DENSE.replace(param_dtype="bfloat16"), jax.random.key(0))
+  assert all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(bf16_params))
+
+
+def test_remat_gives_the_same_gradients():
+  params = _setup(DENSE)
+  tokens = jnp.array([[1, 2, 3, 4, 5]])
+  mask = jnp.ones((1, 5), bool)
+  grad = lambda c: jax.grad(lambda p: token_logprobs(p, c, tokens, mask).sum())(params)
+  for a, b in zip(jax.tree.leaves(grad(DENSE)), jax.tree.leaves(grad(DENSE.replace(remat=True)))):
+    np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("changes, field", [
+    ({"num_heads": 5}, "num_heads"),
+    ({"num_kv_heads": 3}, "num_kv_heads"),
+    ({"head_dim": 7}, "head_dim"),
+    ({"num_experts": 2, "num_experts_per_tok": 3}, "num_experts_per_tok"),
+    ({"hidden_size": 0}, "hidden_size"),
+    ({"dtype": "float64"}, "dtype"),
+    ({"rope_theta": -1.0}, "rope_theta"),
+])
+def test_inconsistent_config_raises_naming_the_field(changes, field):
+  with pytest.raises(ValueError, match=field):
+    ModelConfig(**{**dict(hidden_size=32, num_heads=4, num_kv_heads=2), **changes})

@@ -1,0 +1,181 @@
+"""The sampler: filters, greedy limit, the sampling distribution, stops, budgets, appends."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pbsd_jax import sampling
+from pbsd_jax.likelihood import token_logprobs
+from pbsd_jax.models import ModelConfig, Transformer, init_params
+from pbsd_jax.sampling import Sampler, sample_token, stop_sequence_array
+
+CONFIG = ModelConfig(vocab_size=40, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                     mlp_dim=48)
+PARAMS = jax.tree.map(lambda x: x * 20.0, init_params(CONFIG, jax.random.key(0)))  # peaky
+PROMPT = jnp.array([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12], [0, 0, 0, 0, 13]])
+PMASK = jnp.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]], bool)
+
+
+def _samples(n, logits, **kw):
+  keys = jax.random.split(jax.random.key(0), n)
+  tok, _ = jax.vmap(lambda k: sample_token(k, logits, **kw))(keys)
+  return np.asarray(tok).reshape(-1)
+
+
+def test_top_k_never_emits_tokens_outside_the_k_most_likely():
+  logits = jnp.array([[0.0, 3.0, 1.0, 2.9, -1.0, 2.8, 0.5]])
+  seen = set(_samples(4000, logits, top_k=3))
+  assert seen == {1, 3, 5}
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_the_mass():
+  probs = jnp.array([[0.05, 0.5, 0.1, 0.3, 0.05]])
+  seen = set(_samples(4000, jnp.log(probs), top_p=0.75))
+  assert seen == {1, 3}  # 0.5 < 0.75, so 0.3 is needed; then 0.8 >= 0.75 stops.
+  assert set(_samples(2000, jnp.log(probs), top_p=0.4)) == {1}  # the top token always stays
+
+
+def test_empirical_distribution_matches_softmax():
+  logits = jnp.array([[1.0, 0.0, -1.0, 2.0, 0.5, -0.5]])
+  n = 40_000
+  counts = np.bincount(_samples(n, logits, temperature=0.7), minlength=6) / n
+  p = np.asarray(jax.nn.softmax(logits[0] / 0.7))
+  sigma = np.sqrt(p * (1 - p) / n)
+  assert np.all(np.abs(counts - p) < 5 * sigma + 1e-4), (counts, p)
+
+
+def test_sampled_logp_is_the_temperature_scaled_log_softmax():
+  logits = jnp.array([[1.0, 0.0, -1.0], [0.3, 0.2, 0.1]])
+  tok, logp = sample_token(jax.random.key(3), logits, temperature=0.5)
+  want = jax.nn.log_softmax(logits / 0.5)[jnp.arange(2), tok]
+  np.testing.assert_allclose(logp, want, atol=1e-6)
+
+
+@jax.jit
+def _next_greedy(tokens, length):
+  """Greedy next token after the first `length` tokens of a right-padded `i32[16]` row."""
+  mask = jnp.arange(16) < length
+  logits = Transformer(CONFIG).apply({"params": PARAMS}, tokens[None], mask[None]).logits
+  return jnp.argmax(logits[0, length - 1])
+
+
+def _greedy_reference(tokens, mask, steps):
+  """Brute force: a full forward over the whole sequence for every new token."""
+  rows = []
+  for b in range(tokens.shape[0]):
+    seq = [int(t) for t, m in zip(tokens[b], mask[b]) if m]
+    for _ in range(steps):
+      padded = jnp.array(seq + [0] * (16 - len(seq)))
+      seq.append(int(_next_greedy(padded, len(seq))))
+    rows.append(seq[-steps:])
+  return np.array(rows)
+
+
+def test_temperature_zero_equals_brute_force_greedy():
+  state, _ = Sampler(CONFIG, temperature=0.0).generate(PARAMS, PROMPT, PMASK,
+                                                       jax.random.key(1), 6)
+  np.testing.assert_array_equal(state.tokens[:, 5:11], _greedy_reference(PROMPT, PMASK, 6))
+
+
+def test_temperature_to_zero_limit_is_greedy():
+  cold, _ = Sampler(CONFIG, temperature=1e-4).generate(PARAMS, PROMPT, PMASK,
+                                                       jax.random.key(7), 6)
+  greedy, _ = Sampler(CONFIG, temperature=0.0).generate(PARAMS, PROMPT, PMASK,
+                                                        jax.random.key(8), 6)
+  np.testing.assert_array_equal(cold.tokens, greedy.tokens)
+
+
+def test_same_key_same_tokens_and_other_key_other_tokens():
+  s = Sampler(CONFIG)
+  params = init_params(CONFIG, jax.random.key(0))  # flat distribution: keys matter
+  a, _ = s.generate(params, PROMPT, PMASK, jax.random.key(1), 8)
+  b, _ = s.generate(params, PROMPT, PMASK, jax.random.key(1), 8)
+  c, _ = s.generate(params, PROMPT, PMASK, jax.random.key(2), 8)
+  np.testing.assert_array_equal(a.tokens, b.tokens)
+  assert not np.array_equal(a.tokens, c.tokens)
+
+
+def test_sample_logp_equals_the_models_token_logprobs():
+  params = init_params(CONFIG, jax.random.key(0))
+  state, _ = Sampler(CONFIG).generate(params, PROMPT, PMASK, jax.random.key(4), 8)
+  lp = token_logprobs(params, CONFIG, state.tokens, state.mask)
+  np.testing.assert_allclose(jnp.where(state.sampled, lp, 0.0), state.sample_logp, atol=1e-5)
+
+
+def test_multi_token_stop_sequences_end_each_row_right_after_the_stop():
+  s = Sampler(CONFIG, temperature=0.0)
+  free, _ = s.generate(PARAMS, PROMPT, PMASK, jax.random.key(0), 12)
+  gen = np.asarray(free.tokens[:, 5:])
+  # Per-row stop: the pair of tokens at generated positions (3, 4); the row must stop at the
+  # first occurrence of that pair.
+  stops, want_len = [], []
+  for row in gen:
+    pair = [int(row[3]), int(row[4])]
+    first = next(i for i in range(1, 12) if [int(row[i - 1]), int(row[i])] == pair)
+    stops.append(stop_sequence_array([pair, [CONFIG.vocab_size + 5]]))  # 2nd never matches
+    want_len.append(first + 1)
+  state, res = s.generate(PARAMS, PROMPT, PMASK, jax.random.key(0), 12,
+                          stop_sequences=jnp.stack(stops))
+  np.testing.assert_array_equal(res.num_new, want_len)
+  np.testing.assert_array_equal(res.stop_reason, [sampling.STOP_SEQUENCE] * 3)
+  np.testing.assert_array_equal(res.stop_index, [0, 0, 0])
+  np.testing.assert_array_equal(state.sampled.sum(1), want_len)
+  for b, n in enumerate(want_len):
+    np.testing.assert_array_equal(state.tokens[b, 5:5 + n], gen[b, :n])
+    assert np.all(np.asarray(state.tokens[b, 5 + n:]) == 0)
+
+
+def test_per_row_budgets_hold():
+  s = Sampler(CONFIG)
+  state, res = s.generate(PARAMS, PROMPT, PMASK, jax.random.key(0), 10,
+                          budget=jnp.array([3, 10, 0]))
+  np.testing.assert_array_equal(res.num_new, [3, 10, 0])
+  np.testing.assert_array_equal(state.sampled.sum(1), [3, 10, 0])
+  np.testing.assert_array_equal(state.cursor, [8, 15, 5])
+  np.testing.assert_array_equal(res.stop_reason, [sampling.STOP_BUDGET] * 3)
+
+
+def test_eos_ends_a_row_and_is_kept_as_its_last_token():
+  free, _ = Sampler(CONFIG, temperature=0.0).generate(PARAMS, PROMPT, PMASK,
+                                                      jax.random.key(0), 6)
+  eos = int(free.tokens[1, 7])  # row 1's third greedy token
+  state, res = Sampler(CONFIG, temperature=0.0, eos_id=eos).generate(
+      PARAMS, PROMPT, PMASK, jax.random.key(0), 6)
+  first = int(np.argmax(np.asarray(free.tokens[1, 5:]) == eos))
+  assert int(res.num_new[1]) == first + 1 and int(res.stop_reason[1]) == sampling.STOP_EOS
+  assert int(state.tokens[1, 5 + first]) == eos
+
+
+def test_inactive_rows_are_untouched():
+  s = Sampler(CONFIG)
+  state = s.prefill(PARAMS, PROMPT, PMASK, 12)
+  new, res = s.decode(PARAMS, state, jax.random.key(0), jnp.full((3,), 4),
+                      active=jnp.array([True, False, True]), max_steps=4)
+  np.testing.assert_array_equal(new.cursor, [9, 5, 9])
+  np.testing.assert_array_equal(new.tokens[1], state.tokens[1])
+  np.testing.assert_array_equal(new.logits[1], state.logits[1])
+  assert int(res.stop_reason[1]) == sampling.RUNNING
+
+
+def test_append_then_decode_equals_a_plain_forward_over_the_whole_row():
+  s = Sampler(CONFIG, temperature=0.0)
+  state = s.prefill(PARAMS, PROMPT, PMASK, 16)
+  obs = jnp.array([[20, 21, 22], [23, 0, 0], [0, 0, 0]])
+  state = s.append(PARAMS, state, obs, jnp.array([3, 1, 0]))
+  np.testing.assert_array_equal(state.cursor, [8, 6, 5])
+  state, _ = s.decode(PARAMS, state, jax.random.key(0), jnp.full((3,), 3), max_steps=3)
+  for b in range(3):
+    real = np.asarray(state.tokens[b])[np.asarray(state.mask[b])]
+    ref = _greedy_reference(jnp.array([real[:-3]]), jnp.ones((1, len(real) - 3), bool), 3)
+    np.testing.assert_array_equal(real[-3:], ref[0])
+  assert not bool(state.sampled[0, 5:8].any())  # appended tokens are not the policy's
+
+
+def test_bad_sampler_settings_raise():
+  with pytest.raises(ValueError, match="top_p"):
+    Sampler(CONFIG, top_p=0.0)
+  with pytest.raises(ValueError, match="temperature"):
+    Sampler(CONFIG, temperature=-1.0)
+  with pytest.raises(ValueError, match="top_k"):
+    Sampler(CONFIG, top_k=CONFIG.vocab_size + 1)
