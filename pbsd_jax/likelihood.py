@@ -7,6 +7,10 @@ DESIGN.md §3); the first real token of a row, and every padded slot, get log-pr
 
 With `chunk_size` set, the LM head runs on `chunk_size` positions at a time under
 `jax.checkpoint`, so neither the forward nor the backward pass ever holds the `[B, T, V]` logits.
+
+`dual_logprobs` scores one trajectory under the student and the privileged-teacher prompts in
+one vmapped pass (DESIGN.md §2); `token_divergence` compares two models' full next-token
+distributions chunk by chunk (OPSD, GEAR).
 """
 
 from __future__ import annotations
@@ -99,3 +103,110 @@ def token_logprobs(params: Any, config: ModelConfig, tokens: Array, mask: Array,
   out = model.apply(variables, tokens, mask, routes=routes, compute_logits=False)
   unembed = lambda h: model.apply(variables, h, method=Transformer.unembed)
   return logprobs_from_hidden(unembed, out.hidden, tokens, mask, chunk_size, with_entropy)
+
+
+def dual_logprobs(params: Any, config: ModelConfig, student_tokens: Array, student_mask: Array,
+                  teacher_tokens: Array, teacher_mask: Array, *, chunk_size: int | None = None,
+                  routes: Array | None = None) -> Array:
+  """Student and teacher log-probs of the same trajectory, `f32[2, B, T]`, no gradient.
+
+  DESIGN §2 "Non-replay evidence recomputation": one forward with the current parameters over
+  both conditions, stacked on a leading axis and evaluated by one `jax.vmap` of
+  `token_logprobs`. Index 0 is the student (ordinary prompt), index 1 the teacher (privileged
+  prompt); the two sequences share every trajectory column (DESIGN §3), so
+  `out[1] - out[0]` is the per-token evidence `l_{i,j}` on action tokens. The student half
+  doubles as the "old" log-probs of the PPO ratio.
+
+  Args:
+    params: model parameters.
+    config: the model config.
+    student_tokens, student_mask: `i32[B, T]`, `bool[B, T]` the rollout.
+    teacher_tokens, teacher_mask: the same with the privileged prompt region.
+    chunk_size: LM-head chunk over the sequence (see `token_logprobs`).
+    routes: MoE routes to replay (ablation only): `i32[layers, B, T, k]` for both conditions
+      or `i32[2, layers, B, T, k]` per condition. None (default) routes afresh.
+
+  Returns:
+    `f32[2, B, T]` under `stop_gradient`.
+  """
+  if student_tokens.shape != teacher_tokens.shape:
+    raise ValueError(f"student tokens {student_tokens.shape} and teacher tokens "
+                     f"{teacher_tokens.shape} must have the same [B, T] shape")
+  tokens = jnp.stack([student_tokens, teacher_tokens])
+  mask = jnp.stack([student_mask, teacher_mask]).astype(bool)
+  route_axis = None if routes is None or routes.ndim == 4 else 0
+  one = lambda t, m, r: token_logprobs(params, config, t, m, chunk_size=chunk_size, routes=r)
+  return jax.lax.stop_gradient(jax.vmap(one, in_axes=(0, 0, route_axis))(tokens, mask, routes))
+
+
+def generalized_jsd(student_logits: Array, teacher_logits: Array, beta: float) -> Array:
+  """Generalised Jensen-Shannon divergence over the full vocabulary, `f32[...]`.
+
+  GKD convention (Agarwal et al., 2024) with P = teacher, Q = student, M = beta P + (1-beta) Q:
+  `JSD(beta) = beta KL(P || M) + (1 - beta) KL(Q || M)` for 0 < beta < 1. That mixture value
+  vanishes at both ends, so the endpoints are defined as the limits the gradients approach:
+  `beta = 1` is the reverse KL `KL(student || teacher)` and `beta = 0` the forward KL
+  `KL(teacher || student)` (DESIGN §2, OPSD).
+
+  Args:
+    student_logits: `f32[..., V]`.
+    teacher_logits: `f32[..., V]`.
+    beta: static float in [0, 1].
+  """
+  if not 0.0 <= beta <= 1.0:
+    raise ValueError(f"beta must be in [0, 1], got {beta}")
+  log_s = jax.nn.log_softmax(student_logits.astype(jnp.float32), axis=-1)
+  log_t = jax.nn.log_softmax(teacher_logits.astype(jnp.float32), axis=-1)
+  kl = lambda log_p, log_q: jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
+  if beta == 1.0:
+    return kl(log_s, log_t)
+  if beta == 0.0:
+    return kl(log_t, log_s)
+  log_m = jnp.logaddexp(log_t + jnp.log(beta), log_s + jnp.log1p(-beta))
+  return beta * kl(log_t, log_m) + (1.0 - beta) * kl(log_s, log_m)
+
+
+def token_divergence(params: Any, teacher_params: Any, config: ModelConfig,
+                     student_tokens: Array, student_mask: Array, teacher_tokens: Array,
+                     teacher_mask: Array, *, beta: float = 1.0, chunk_size: int | None = None,
+                     with_entropy: bool = False):
+  """Per-token `generalized_jsd` between the student's and teacher's next-token distributions.
+
+  The student is `params` on the student sequence (gradients flow); the teacher is
+  `teacher_params` on the teacher sequence under `stop_gradient` (OPSD passes the frozen
+  initial parameters, GEAR the current ones). Aligned like `token_logprobs`: column t holds
+  the divergence of the distributions that predict token t, 0 where either sequence has no
+  real predecessor. The LM heads run `chunk_size` positions at a time, so the `[B, T, V]`
+  logits of either model are never held whole.
+
+  Args:
+    params: student parameters.
+    teacher_params: teacher parameters (may be `params` itself).
+    config: the model config (shared).
+    student_tokens, student_mask: `i32[B, T]`, `bool[B, T]`.
+    teacher_tokens, teacher_mask: the same with the privileged prompt region.
+    beta: see `generalized_jsd` (1 = reverse KL).
+    chunk_size: positions per LM-head chunk (None: all at once).
+    with_entropy: also return the student's next-token entropy.
+
+  Returns:
+    `f32[B, T]` divergences (and `f32[B, T]` student entropies).
+  """
+  model = Transformer(config)
+  teacher_params = jax.lax.stop_gradient(teacher_params)
+  hidden = lambda p, t, m: model.apply({"params": p}, t, m, compute_logits=False).hidden
+  h_student = hidden(params, student_tokens, student_mask)
+  h_teacher = hidden(teacher_params, teacher_tokens, teacher_mask)
+
+  def score(hs, ht):
+    logits_s = model.apply({"params": params}, hs, method=Transformer.unembed)
+    logits_t = model.apply({"params": teacher_params}, ht, method=Transformer.unembed)
+    div = generalized_jsd(logits_s, logits_t, beta)
+    log_s = jax.nn.log_softmax(logits_s, axis=-1)
+    return div, -jnp.sum(jnp.exp(log_s) * log_s, axis=-1)
+
+  div, entropy = map_sequence_chunks(score, chunk_size, h_student[:, :-1], h_teacher[:, :-1])
+  real = lambda m: m[:, 1:] & m[:, :-1]
+  scored = real(student_mask.astype(bool)) & real(teacher_mask.astype(bool))
+  pad = lambda x: jnp.pad(jnp.where(scored, x, 0.0), [(0, 0), (1, 0)])
+  return (pad(div), pad(entropy)) if with_entropy else pad(div)

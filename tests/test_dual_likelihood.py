@@ -1,0 +1,140 @@
+"""Privileged prompt and the vmapped dual-conditioning likelihood (DESIGN §2, §3)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pbsd_jax import privileged
+from pbsd_jax.likelihood import dual_logprobs, token_logprobs
+from pbsd_jax.models import ModelConfig, init_params
+
+CONFIG = ModelConfig(vocab_size=256, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                     mlp_dim=64)
+PAD = 0
+SENTINEL = "@#@"  # no question or trajectory below contains '@' or '#'
+TEMPLATE = "(T) {answer}\n"  # short: byte-level tokens
+WIDTH, LENGTH = 36, 44
+QUESTIONS = ["Question: where?\n", "Question: who founded it?\n"]
+TRAJECTORIES = [[97, 98, 99, 100, 101, 102], [110, 111, 112]]  # right-padded after the rollout
+
+
+def encode(text):
+  """A byte-level tokenizer: ids are the UTF-8 bytes."""
+  return list(text.encode("utf-8"))
+
+
+@functools.lru_cache(maxsize=None)
+def batch():
+  """Student and teacher sequences `[2, LENGTH]` sharing the trajectory columns from WIDTH."""
+  width, length = WIDTH, LENGTH
+  student_prompts = [encode(q) for q in QUESTIONS]
+  s_prompt, s_prompt_mask, t_prompt, t_prompt_mask = privileged.dual_prompts(
+      student_prompts, [SENTINEL, SENTINEL], encode, width, PAD, TEMPLATE)
+  tokens = np.full((2, length), PAD, np.int32)
+  mask = np.zeros((2, length), bool)
+  tokens[:, :width], mask[:, :width] = s_prompt, s_prompt_mask
+  for row, traj in enumerate(TRAJECTORIES):
+    tokens[row, width:width + len(traj)] = traj
+    mask[row, width:width + len(traj)] = True
+  t_tokens, t_mask = privileged.teacher_sequence(
+      jnp.asarray(tokens), jnp.asarray(mask), jnp.asarray(t_prompt), jnp.asarray(t_prompt_mask))
+  return tokens, mask, np.asarray(t_tokens), np.asarray(t_mask)
+
+
+@functools.lru_cache(maxsize=None)
+def dual():
+  params = init_params(CONFIG, jax.random.key(0))
+  tokens, mask, t_tokens, t_mask = batch()
+  out = jax.jit(functools.partial(dual_logprobs, config=CONFIG, chunk_size=7))(
+      params, student_tokens=tokens, student_mask=mask, teacher_tokens=t_tokens,
+      teacher_mask=t_mask)
+  return params, np.asarray(out)
+
+
+def test_dual_logprobs_shape_is_two_by_batch_by_length():
+  assert dual()[1].shape == (2, 2, LENGTH)
+
+
+def test_student_half_equals_a_plain_forward_on_the_student_sequence():
+  params, out = dual()
+  tokens, mask, _, _ = batch()
+  plain = token_logprobs(params, CONFIG, jnp.asarray(tokens), jnp.asarray(mask))
+  np.testing.assert_allclose(out[0], plain, rtol=1e-5, atol=1e-5)
+
+
+def test_teacher_half_equals_a_plain_forward_on_the_unpadded_teacher_sequence():
+  params, out = dual()
+  _, _, t_tokens, t_mask = batch()
+  for row in range(2):
+    real = t_tokens[row][t_mask[row]][None]
+    alone = token_logprobs(params, CONFIG, jnp.asarray(real), jnp.ones(real.shape, bool))
+    np.testing.assert_allclose(out[1, row][t_mask[row]], alone[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(out[1, row][~t_mask[row]], 0.0)
+
+
+def test_trajectory_columns_line_up_between_student_and_teacher():
+  tokens, mask, t_tokens, t_mask = batch()
+  np.testing.assert_array_equal(tokens[:, WIDTH:], t_tokens[:, WIDTH:])
+  np.testing.assert_array_equal(mask[:, WIDTH:], t_mask[:, WIDTH:])
+  # The privileged block makes the teacher prompt longer, and both fit the same width.
+  assert np.all(t_mask[:, :WIDTH].sum(1) > mask[:, :WIDTH].sum(1))
+
+
+def test_the_teacher_condition_changes_the_trajectory_log_probs():
+  _, out = dual()
+  _, mask, _, _ = batch()
+  traj = mask & (np.arange(LENGTH) > WIDTH)
+  assert np.max(np.abs(out[1] - out[0])[traj]) > 1e-4
+
+
+def test_sentinel_answer_never_appears_on_the_student_side():
+  tokens, mask, t_tokens, _ = batch()
+  answer_ids = set(encode(SENTINEL))
+  assert answer_ids.isdisjoint(tokens[mask].tolist())
+  assert answer_ids.isdisjoint(tokens.ravel().tolist())
+  assert answer_ids <= set(t_tokens.ravel().tolist())
+
+
+def test_dual_logprobs_carries_no_gradient():
+  params, _ = dual()
+  tokens, mask, t_tokens, t_mask = batch()
+  grads = jax.grad(lambda p: jnp.sum(dual_logprobs(p, CONFIG, tokens, mask, t_tokens, t_mask)))(
+      params)
+  assert all(np.all(np.asarray(g) == 0) for g in jax.tree.leaves(grads))
+
+
+def test_privileged_prompt_extends_the_student_prompt_ids():
+  student = encode(QUESTIONS[0])
+  teacher = privileged.privileged_prompt(student, "Paris", encode)
+  assert teacher[:len(student)] == student
+  assert teacher[len(student):] == encode(privileged.privileged_block("Paris"))
+
+
+def test_custom_template_is_used_verbatim():
+  block = privileged.privileged_block("42", template="[gold: {answer}]")
+  assert block == "[gold: 42]"
+
+
+def test_template_without_answer_field_is_rejected():
+  with pytest.raises(ValueError, match="answer"):
+    privileged.privileged_block("42", template="no field here")
+
+
+def test_left_pad_right_aligns_real_tokens():
+  tokens, mask = privileged.left_pad([[5, 6], [7], []], width=3, pad_id=0)
+  np.testing.assert_array_equal(tokens, [[0, 5, 6], [0, 0, 7], [0, 0, 0]])
+  np.testing.assert_array_equal(mask, [[False, True, True], [False, False, True],
+                                       [False, False, False]])
+
+
+def test_left_pad_names_the_prompt_that_is_too_long():
+  with pytest.raises(ValueError, match="prompt 1 has 4 tokens.*width 3"):
+    privileged.left_pad([[1], [1, 2, 3, 4]], width=3, pad_id=0)
+
+
+def test_dual_prompts_reports_a_teacher_prompt_that_does_not_fit():
+  with pytest.raises(ValueError, match="teacher"):
+    privileged.dual_prompts([encode("hi")], ["an answer"], encode, width=4, pad_id=0)
