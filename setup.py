@@ -24,6 +24,7 @@ setuptools.setup(
         "sentencepiece>=0.2",
         "tokenizers>=0.19",
         "bm25s>=0.2",
+        "pyarrow>=14",  # parquet question files (pbsd_jax.data.records)
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6"],

@@ -91,10 +91,10 @@ class _Sampler:
     path_weights = {h: [len(self._heads[world_lib.RELATIONS[p[0]].head])
                         for p in paths_by_hops[h]] for h in hops_list}
     out: list[questions_lib.Question] = []
-    attempts = 0
+    misses = 0  # Consecutive draws that gave nothing new: many means the space is used up.
     while len(out) < n:
-      attempts += 1
-      if attempts > 200 * n + 1000:
+      misses += 1
+      if misses > 20_000:
         raise ValueError(f"{what}: could not draw {n} distinct questions (got {len(out)}); "
                          f"the world is too small for the requested split sizes")
       h = self._rng.choices(hops_list, weights=[hop_weights[k] for k in hops_list])[0]
@@ -107,6 +107,7 @@ class _Sampler:
         continue
       self.used.add((start, path))
       out.append(question)
+      misses = 0
     return out
 
 
