@@ -109,18 +109,22 @@ CHATML_TEMPLATE = (
 
 
 def write_chatml_tokenizer(path: str) -> None:
-  """A tiny word-level `tokenizer.json` with ChatML special tokens and a Qwen-style template."""
+  """A tiny byte-level BPE `tokenizer.json` (Qwen-style, lossless) with ChatML special tokens,
+  plus a `tokenizer_config.json` holding the chat template and special-token names."""
   import tokenizers  # pylint: disable=g-import-not-at-top
-  from tokenizers import models, pre_tokenizers  # pylint: disable=g-import-not-at-top
+  from tokenizers import decoders, models, pre_tokenizers, trainers  # pylint: disable=g-import-not-at-top
 
-  words = ["<unk>", "system", "user", "assistant", "hello", "who", "are", "you", "?", "\n"]
-  tokenizer = tokenizers.Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)},
-                                                    unk_token="<unk>"))
-  tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-  tokenizer.add_special_tokens(["<|im_start|>", "<|im_end|>", "<|endoftext|>"])
+  tokenizer = tokenizers.Tokenizer(models.BPE())
+  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tokenizer.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(
+      vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+  corpus = ["You are a helpful assistant.", "Who founded the city of Varnhollow?",
+            "<search> Varnhollow founder </search>", "be brief", "hello there"]
+  tokenizer.train_from_iterator(corpus * 4, trainer)
   os.makedirs(path, exist_ok=True)
   tokenizer.save(os.path.join(path, "tokenizer.json"))
   with open(os.path.join(path, "tokenizer_config.json"), "w") as f:
     json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": CHATML_TEMPLATE,
-               "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-               "unk_token": "<unk>"}, f)
+               "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}, f)

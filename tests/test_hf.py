@@ -17,7 +17,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pbsd_jax.models import hf
 from pbsd_jax.models.config import ModelConfig
-from pbsd_jax.models.transformer import KVCache, Transformer, init_params, param_axes
+from pbsd_jax.models.transformer import init_params, param_axes
+from pbsd_jax.sampling import Sampler
 
 try:
   import hf_fixtures  # needs torch + transformers
@@ -54,26 +55,6 @@ def _tokens_with_left_padding():
   return tokens, mask
 
 
-@functools.partial(jax.jit, static_argnames=("config", "steps"))
-def _greedy(config, params, prompt, steps):
-  """Prefill `prompt: i32[B, P]` into a KV cache, then `steps` one-token greedy decodes."""
-  model = Transformer(config)
-  batch, width = prompt.shape
-  cache = KVCache.init(config, batch, width + steps)
-  out = model.apply({"params": params}, prompt, cache=cache,
-                    write_index=jnp.zeros(batch, jnp.int32))
-  first = jnp.argmax(out.logits[:, -1], axis=-1)
-
-  def step(carry, _):
-    cache, token, slot = carry
-    out = model.apply({"params": params}, token[:, None], cache=cache, write_index=slot)
-    return (out.cache, jnp.argmax(out.logits[:, -1], axis=-1), slot + 1), token
-
-  init = (out.cache, first, jnp.full((batch,), width, jnp.int32))
-  _, tokens = jax.lax.scan(step, init, None, length=steps)
-  return tokens.T
-
-
 @requires_torch
 @pytest.mark.parametrize("case", CASES)
 def test_logits_match_transformers_including_left_padded_rows(checkpoints, case):
@@ -88,16 +69,20 @@ def test_logits_match_transformers_including_left_padded_rows(checkpoints, case)
 @requires_torch
 @pytest.mark.parametrize("case", CASES)
 def test_greedy_generation_of_32_tokens_matches_transformers(checkpoints, case):
+  """Prefill + cached one-token decodes through the project's sampler at temperature 0."""
   path, model = checkpoints[case]
   config, params = _loaded(path)
   prompt = np.random.RandomState(1).randint(0, 128, (2, 6)).astype(np.int32)
-  ours = np.asarray(_greedy(config, params, jnp.asarray(prompt), GEN_STEPS))
+  state, result = Sampler(config, temperature=0.0).generate(
+      params, jnp.asarray(prompt), jnp.ones(prompt.shape, bool), jax.random.key(0), GEN_STEPS)
+  np.testing.assert_array_equal(np.asarray(result.num_new), [GEN_STEPS, GEN_STEPS])
   with torch.no_grad():
     theirs = model.generate(torch.as_tensor(prompt, dtype=torch.long),
                             attention_mask=torch.ones(prompt.shape, dtype=torch.long),
                             max_new_tokens=GEN_STEPS, min_new_tokens=GEN_STEPS,
                             do_sample=False, pad_token_id=0)
-  np.testing.assert_array_equal(ours, theirs[:, prompt.shape[1]:].numpy())
+  np.testing.assert_array_equal(np.asarray(state.tokens[:, prompt.shape[1]:]),
+                                theirs[:, prompt.shape[1]:].numpy())
 
 
 @requires_torch
@@ -170,6 +155,10 @@ def test_multi_shard_checkpoint_loads_each_array_with_its_sharding(checkpoints):
       assert got.addressable_shards[0].data.size == want.size // 8
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   assert sharded >= 10  # embedding, lm_head, q/k/v/o kernels, norms over head_dim, MLP
+  tree = jax.tree_util.tree_map(rule, param_axes(config), is_leaf=lambda x: isinstance(x, P))
+  _, from_tree = hf.load(path, shardings=tree)
+  assert jax.tree_util.tree_leaves(jax.tree_util.tree_map(lambda x: x.sharding, from_tree)) == [
+      rule(spec) for spec in flat_specs]
 
 
 @requires_torch
@@ -235,6 +224,22 @@ def test_chat_template_renders_like_transformers(tmp_path):
           messages, tokenize=False, add_generation_prompt=add_generation_prompt)
       assert hf.apply_chat_template(str(tmp_path), messages,
                                     add_generation_prompt=add_generation_prompt) == expected
+
+
+@requires_torch
+def test_chat_prompt_encodes_like_transformers_through_the_seqio_vocabulary(tmp_path):
+  import transformers
+  from pbsd_jax.vocab import HfTokenizerVocabulary  # imports TensorFlow (seqio)
+  hf_fixtures.write_chatml_tokenizer(str(tmp_path))
+  messages = [{"role": "user", "content": "Who founded the city of Varnhollow?"},
+              {"role": "assistant", "content": "<search> Varnhollow founder </search>"}]
+  text = hf.apply_chat_template(str(tmp_path), messages, add_generation_prompt=True)
+  vocab = HfTokenizerVocabulary(str(tmp_path / "tokenizer.json"))
+  ids = vocab.encode(text)
+  tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+  assert ids == tokenizer(text, add_special_tokens=False)["input_ids"]
+  assert ids.count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == 4
+  assert vocab.decode(ids) == text.split("<|im_end|>")[0]  # seqio decodes up to the first eos
 
 
 def test_chat_template_jinja_file_wins_over_tokenizer_config(tmp_path):

@@ -29,7 +29,7 @@ import json
 import math
 import os
 import re
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -54,18 +54,20 @@ _ST_DTYPES = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<
               "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
               "U8": np.dtype("u1"), "BOOL": np.dtype("?")}
 _ST_NAMES = {dtype: name for name, dtype in _ST_DTYPES.items()}
-_HF_DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
-
+_FLOAT_DTYPES = ("float32", "bfloat16", "float16")
 
 
 class _SafetensorsFile:
-  """One memory-mapped `.safetensors` file; `read` touches only the pages of the slice."""
+  """One memory-mapped `.safetensors` file; slicing an `array` reads only the pages it needs."""
 
   def __init__(self, path: str):
     self.path = path
     with open(path, "rb") as f:
       header_size = int.from_bytes(f.read(8), "little")
-      header = json.loads(f.read(header_size))
+      try:
+        header = json.loads(f.read(header_size))
+      except ValueError as e:
+        raise ValueError(f"{path}: not a safetensors file (unreadable header: {e})") from None
     header.pop("__metadata__", None)
     self._entries = header
     self._data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_size) if any(
@@ -73,6 +75,9 @@ class _SafetensorsFile:
 
   def names(self) -> list[str]:
     return list(self._entries)
+
+  def __contains__(self, name: str) -> bool:
+    return name in self._entries
 
   def shape(self, name: str) -> tuple[int, ...]:
     return tuple(self._entries[name]["shape"])
@@ -111,6 +116,7 @@ class _Checkpoint:
   """The tensors of a Hugging Face model directory, over one or many safetensors shards."""
 
   def __init__(self, path: str):
+    self.path = path
     index_path, single_path = os.path.join(path, INDEX_FILE), os.path.join(path, SINGLE_FILE)
     if os.path.exists(index_path):
       with open(index_path) as f:
@@ -132,18 +138,16 @@ class _Checkpoint:
   def array(self, name: str, expected_shape: Sequence[int]) -> np.ndarray:
     """Lazy view of tensor `name`; a missing tensor or a wrong shape is a ValueError."""
     if name not in self._files:
-      raise ValueError(f"checkpoint is missing tensor {name} (expected shape "
+      raise ValueError(f"{self.path}: checkpoint is missing tensor {name} (expected shape "
                        f"{tuple(expected_shape)})")
     source = self._files[name]
-    if name not in source.names():
+    if name not in source:
       raise ValueError(f"tensor {name} is listed in {INDEX_FILE} but absent from "
                        f"{source.path} (expected shape {tuple(expected_shape)})")
     if source.shape(name) != tuple(expected_shape):
       raise ValueError(f"tensor {name} has shape {source.shape(name)}, expected "
                        f"{tuple(expected_shape)}")
     return source.array(name)
-
-
 
 
 def _field(hf: dict, name: str, default: Any = None, required: bool = False) -> Any:
@@ -237,7 +241,7 @@ def config_from_hf(hf: dict, param_dtype: str | None = None,
                  expert_mlp_dim=_field(hf, "moe_intermediate_size", required=True),
                  norm_topk_prob=bool(_field(hf, "norm_topk_prob", False)))
   stored = _field(hf, "dtype", _field(hf, "torch_dtype", "float32"))
-  param_dtype = param_dtype or _HF_DTYPES.get(str(stored), "float32")
+  param_dtype = param_dtype or (stored if stored in _FLOAT_DTYPES else "float32")
   return ModelConfig(
       vocab_size=_field(hf, "vocab_size", required=True), hidden_size=hidden,
       num_layers=num_layers, num_heads=heads,
@@ -297,8 +301,6 @@ def config_to_hf(config: ModelConfig, architecture: str | None = None) -> dict:
               moe_intermediate_size=config.resolved_expert_mlp_dim,
               norm_topk_prob=config.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
   return hf
-
-
 
 
 @dataclasses.dataclass(frozen=True)
@@ -450,8 +452,6 @@ def _get_path(tree: Any, path: tuple[str, ...]) -> Any:
   for key in path:
     tree = tree[key]
   return tree
-
-
 
 
 ShardingsLike = Any  # None | pytree of jax.sharding.Sharding | Callable[[PartitionSpec], Sharding]
@@ -607,8 +607,6 @@ def save(config: ModelConfig, params: Any, path: str, *, architecture: str | Non
       json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
 
-
-
 @functools.partial(jax.jit, static_argnames=("config",))
 def _forward(config: ModelConfig, params: Any, tokens: jax.Array, mask: jax.Array) -> jax.Array:
   return Transformer(config).apply({"params": params}, tokens, mask).logits
@@ -624,7 +622,6 @@ def forward_logits(config: ModelConfig, params: Any, tokens: jax.Array,
   tokens = jnp.asarray(tokens, jnp.int32)
   mask = jnp.ones(tokens.shape, bool) if mask is None else jnp.asarray(mask, bool)
   return _forward(config, params, tokens, mask)
-
 
 
 _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
