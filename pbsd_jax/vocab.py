@@ -6,10 +6,12 @@ This module imports seqio, hence TensorFlow: import it from data-side code (task
 the host loop that tokenises prompts), never at import time of the model, rollout or learner
 modules.
 
-SentencePiece ids: pad = 0, eos = 1, unk = 2, no bos; then the eight protocol tags; then the
-learned pieces (byte fallback on, so any text encodes without unk). The default normaliser
-maps newlines and runs of spaces to one space, so `decode(encode(s)) == s` for text with
-single spaces, no newline and no leading or trailing space.
+SentencePiece ids: pad = 0, eos = 1, unk = 2, no bos; then the eight protocol tags (3..10, in
+`protocol.TAGS` order); then 256 byte-fallback pieces (so any text encodes without unk); then
+the learned pieces. The default (NFKC) normaliser maps newlines and runs of spaces to one
+space, so `decode(encode(s)) == s` for NFKC-normal text with single spaces, no newline and no
+leading or trailing space. Every encoded text starts with a word-start piece, so a word right
+after a tag gets its word-initial piece only if a space separates them ("<search> Name").
 """
 
 from __future__ import annotations

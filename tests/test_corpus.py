@@ -46,6 +46,21 @@ def test_exact_name_query_ranks_the_entitys_own_document_first(sp, docs):
   assert (scores[:, 0] > scores[:, 1]).all()
 
 
+def test_query_tokens_cut_from_an_encoded_action_rank_the_own_document_first(sp, docs):
+  # The in-graph retriever never decodes: its query is the token ids between the search tags
+  # of the action, including the whitespace piece before the closing tag.
+  as_terms = lambda ids: [str(i) for i in ids]
+  retriever = bm25s.BM25(method="lucene", k1=1.5, b=0.75)
+  retriever.index([as_terms(sp.encode(d["contents"])) for d in docs], show_progress=False)
+  open_id, close_id = sp.piece_to_id(protocol.SEARCH_OPEN), sp.piece_to_id(protocol.SEARCH_CLOSE)
+  queries = []
+  for d in docs:
+    ids = sp.encode(f"{protocol.SEARCH_OPEN} {d['title']} {protocol.SEARCH_CLOSE}")
+    queries.append(as_terms(ids[ids.index(open_id) + 1:ids.index(close_id)]))
+  top, _ = retriever.retrieve(queries, k=1, show_progress=False)
+  np.testing.assert_array_equal(top[:, 0], np.arange(len(docs)))
+
+
 def test_documents_are_short(sp, docs):
   lengths = [len(sp.encode(d["contents"])) for d in docs]
   assert 20 <= min(lengths) and max(lengths) <= 80

@@ -36,7 +36,8 @@ def test_protocol_tags_are_single_distinct_sentencepiece_tokens(sp_vocab):
   ids = vocab_lib.tag_ids(sp_vocab)
   assert set(ids) == set(protocol.TAGS)
   assert all(len(v) == 1 for v in ids.values())
-  flat = [v[0] for v in ids.values()]
+  flat = [ids[tag][0] for tag in protocol.TAGS]
+  assert flat == list(range(3, 11))
   assert len(set(flat)) == len(flat)
   assert not {sp_vocab.pad_id, sp_vocab.eos_id, sp_vocab.unk_id} & set(flat)
   assert sp_vocab.decode(flat) == "".join(protocol.TAGS)
