@@ -163,12 +163,15 @@ class Sampler:
                        sample_logp=jnp.zeros((b, buffer_size), jnp.float32), cache=out.cache,
                        cursor=jnp.full((b,), p, jnp.int32), logits=out.logits[:, -1])
 
-  @functools.partial(jax.jit, static_argnums=(0,))
-  def append(self, params, state: DecodeState, tokens: Array, lengths: Array) -> DecodeState:
+  @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("as_actions",))
+  def append(self, params, state: DecodeState, tokens: Array, lengths: Array, *,
+             as_actions: bool = False) -> DecodeState:
     """Writes `tokens[b, :lengths[b]]` (`i32[B, n]`) at each row's cursor in one prefill.
 
     Rows with length 0 are untouched. Tokens that would pass the end of the buffer are
-    dropped, so callers truncate observations to the room they have.
+    dropped, so callers truncate observations to the room they have. `as_actions=True` marks
+    the tokens as the policy's (forced actions, e.g. replaying an oracle); their
+    `sample_logp` stays 0.
     """
     b, n = tokens.shape
     lengths = jnp.minimum(lengths.astype(jnp.int32), state.buffer_size - state.cursor)
@@ -177,7 +180,10 @@ class Sampler:
     rows, cols = jnp.arange(b)[:, None], state.cursor[:, None] + jnp.arange(n)[None, :]
     buf = state.tokens.at[rows, jnp.where(mask, cols, state.buffer_size)].set(tokens, mode="drop")
     last = jnp.take_along_axis(out.logits, jnp.maximum(lengths - 1, 0)[:, None, None], 1)[:, 0]
-    return state.replace(tokens=buf, cache=out.cache, cursor=state.cursor + lengths,
+    sampled = state.sampled.at[rows, jnp.where(mask, cols, state.buffer_size)].set(
+        as_actions, mode="drop")
+    return state.replace(tokens=buf, sampled=sampled, cache=out.cache,
+                         cursor=state.cursor + lengths,
                          logits=jnp.where((lengths > 0)[:, None], last, state.logits))
 
   @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("max_steps",))
