@@ -131,7 +131,7 @@ def _first_axis_rule(mesh, candidates=("vocab", "mlp", "head_dim")):
 
   def rule(spec):
     chosen = next((axis for axis in spec if axis in candidates), None)
-    return NamedSharding(mesh, P(*("fsdp" if axis == chosen and axis else None
+    return NamedSharding(mesh, P(*("fsdp" if chosen is not None and axis == chosen else None
                                    for axis in spec)))
   return rule
 
@@ -339,6 +339,12 @@ def test_shape_mismatch_error_names_the_tensor_and_both_shapes(own_checkpoint):
   with pytest.raises(ValueError, match=r"model\.layers\.0\.mlp\.up_proj\.weight has shape "
                      r"\(49, 32\), expected \(48, 32\)"):
     hf.load(own_checkpoint)
+
+
+def test_shardings_pytree_without_an_entry_names_the_parameter(own_checkpoint):
+  mesh = jax.make_mesh((8,), ("fsdp",))
+  with pytest.raises(ValueError, match="shardings has no entry for final_norm/scale"):
+    hf.load(own_checkpoint, shardings={"embedding": NamedSharding(mesh, P())})
 
 
 def test_unknown_architecture_error_names_it(own_checkpoint):

@@ -460,13 +460,14 @@ ShardingsLike = Any  # None | pytree of jax.sharding.Sharding | Callable[[Partit
 def _resolve_shardings(config: ModelConfig, mesh: jax.sharding.Mesh | None,
                        shardings: ShardingsLike) -> Any:
   """A pytree (matching params) of `Sharding`, or None for plain single-device arrays."""
+  if shardings is None and mesh is not None:
+    shardings = NamedSharding(mesh, PartitionSpec())  # replicated
   if shardings is None:
-    if mesh is None:
-      return None
-    return jax.tree_util.tree_map(lambda _: NamedSharding(mesh, PartitionSpec()),
-                                  param_axes(config),
-                                  is_leaf=lambda x: isinstance(x, PartitionSpec))
-  if callable(shardings) and not isinstance(shardings, jax.sharding.Sharding):
+    return None
+  if isinstance(shardings, jax.sharding.Sharding):
+    single = shardings
+    shardings = lambda _: single
+  if callable(shardings):
     return jax.tree_util.tree_map(shardings, param_axes(config),
                                   is_leaf=lambda x: isinstance(x, PartitionSpec))
   return shardings
@@ -480,8 +481,8 @@ def load(path: str, *, mesh: jax.sharding.Mesh | None = None, shardings: Shardin
     path: directory with `config.json` and `model.safetensors` or sharded safetensors plus
       `model.safetensors.index.json`.
     mesh: with no `shardings`, params are replicated over this mesh.
-    shardings: where each parameter goes: a pytree of `jax.sharding.Sharding` matching the
-      params, or a function from a parameter's logical `PartitionSpec` (as in
+    shardings: where each parameter goes: one `jax.sharding.Sharding` for all, a pytree of
+      them matching the params, or a function from a parameter's logical `PartitionSpec` (as in
       `param_axes(config)`, e.g. `P('layers', 'embed', 'heads', 'head_dim')`) to a `Sharding`.
       Each device then reads only its own slice of the files (`jax.make_array_from_callback`),
       so a large model never sits whole in one host's memory.
@@ -507,7 +508,10 @@ def load(path: str, *, mesh: jax.sharding.Mesh | None = None, shardings: Shardin
     if placement is None:
       array = jnp.asarray(layout.read(checkpoint).astype(target))
     else:
-      sharding = _get_path(placement, path_keys)
+      try:
+        sharding = _get_path(placement, path_keys)
+      except (KeyError, TypeError):
+        raise ValueError(f"shardings has no entry for {'/'.join(path_keys)}") from None
       array = jax.make_array_from_callback(
           layout.shape, sharding,
           lambda index, layout=layout: layout.read(checkpoint, index).astype(target))
