@@ -1,0 +1,89 @@
+"""Policy-optimisation algorithms behind one interface, so the learner never branches on a name.
+
+`get(name, **hparams)` returns a frozen, hashable algorithm object (a valid static argument of
+`jax.jit`) configured with its hyperparameters; unknown names or hyperparameters, and
+inconsistent values, fail here with a `ValueError` naming the field. `names()` lists the
+registered algorithms: `grpo`, `pbsd`, `opsd`, `rlsd`, `gear` (DESIGN.md §2). Every one is GRPO
+with the DAPO switches plus its own fields; see each class for the defaults.
+
+The protocol (what the learner calls, per step):
+
+1. Evidence, under `stop_gradient`, with the pre-update parameters:
+   - `logp = likelihood.dual_logprobs(params, config, student_tokens, student_mask,
+     teacher_tokens, teacher_mask)`; `logp[0]` is the student half (also the PPO "old"
+     log-probs), `logp[1]` the teacher half;
+   - if `'divergence'` or `'entropy'` is in `algo.needs`: `divergence, entropy =
+     likelihood.token_divergence(params, params, config, ..., beta=1.0, with_entropy=True)`.
+2. `advantages, loss_mask, metrics = algo.advantages(AdvantageInputs(rewards=..., action_mask=
+   ..., turn_ids=..., step=..., max_turns=K, logp_student=logp[0], logp_teacher=logp[1],
+   ...))`: `f32[B, T]`, `bool[B, T]`, dict of scalars. Fields in `algo.needs` are required.
+3. Inside the differentiated function of the trained parameters `p`:
+   - `new_logp = likelihood.token_logprobs(p, config, student_tokens, student_mask)`;
+   - `divergence = likelihood.token_divergence(p, initial_params, config, ...,
+     beta=algo.distillation_beta)` only when `algo.distillation_beta is not None` (OPSD);
+   - `loss, metrics = algo.loss(new_logp, old_logp, advantages, loss_mask,
+     divergence=divergence_or_None)`: a scalar and a dict of scalars (`pg_clipfrac`, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pbsd_jax.algorithms.gear import GEAR, gear_scale, gear_segments
+from pbsd_jax.algorithms.grpo import (GRPO, dynamic_sampling_mask, group_advantages,
+                                      overlong_penalty)
+from pbsd_jax.algorithms.inputs import AdvantageInputs
+from pbsd_jax.algorithms.opsd import OPSD, distillation_loss
+from pbsd_jax.algorithms.pbsd import PBSD
+from pbsd_jax.algorithms.policy_loss import (AGGREGATIONS, aggregate_loss, clipped_surrogate,
+                                             policy_loss)
+from pbsd_jax.algorithms.rlsd import RLSD, rlsd_credit, rlsd_lambda
+
+Algorithm = GRPO  # every registered algorithm is a GRPO subclass
+
+_REGISTRY: dict[str, type[GRPO]] = {cls.name: cls for cls in (GRPO, PBSD, OPSD, RLSD, GEAR)}
+
+
+def names() -> tuple[str, ...]:
+  """The registered algorithm names."""
+  return tuple(_REGISTRY)
+
+
+def hyperparameters(name: str) -> dict:
+  """The hyperparameters of algorithm `name` with their defaults."""
+  cls = _lookup(name)
+  return {f.name: f.default for f in _fields(cls)}
+
+
+def get(name: str, **hparams) -> GRPO:
+  """The algorithm `name` configured with `hparams` (unset ones take their defaults).
+
+  Raises:
+    ValueError: unknown name, unknown hyperparameter, or an inconsistent value (the message
+      names the field).
+  """
+  cls = _lookup(name)
+  known = {f.name for f in _fields(cls)}
+  unknown = sorted(set(hparams) - known)
+  if unknown:
+    raise ValueError(f"unknown hyperparameter(s) {unknown} for algorithm {name!r}; "
+                     f"known: {sorted(known)}")
+  return cls(**hparams)
+
+
+def _lookup(name: str) -> type[GRPO]:
+  if name not in _REGISTRY:
+    raise ValueError(f"unknown algorithm {name!r}; registered: {list(_REGISTRY)}")
+  return _REGISTRY[name]
+
+
+def _fields(cls) -> list:
+  """The init fields of an algorithm class: its hyperparameters."""
+  return [f for f in dataclasses.fields(cls) if f.init]
+
+
+__all__ = ["AGGREGATIONS", "AdvantageInputs", "Algorithm", "GEAR", "GRPO", "OPSD", "PBSD",
+           "RLSD", "aggregate_loss", "clipped_surrogate", "distillation_loss",
+           "dynamic_sampling_mask", "gear_scale", "gear_segments", "get", "group_advantages",
+           "hyperparameters", "names", "overlong_penalty", "policy_loss", "rlsd_credit",
+           "rlsd_lambda"]
