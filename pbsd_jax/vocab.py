@@ -230,3 +230,16 @@ class HfTokenizerVocabulary(seqio.Vocabulary):
   def __str__(self) -> str:
     return (f"HfTokenizerVocabulary(file={self._tokenizer_file}, vocab_size={self.vocab_size},"
             f" eos_id={self.eos_id}, pad_id={self.pad_id}, unk_id={self.unk_id})")
+
+
+def whitespace_ids(vocab: seqio.Vocabulary) -> tuple[int, ...]:
+  """Ids whose text is empty or whitespace (SentencePiece's lone word-start piece, control
+  ids): dropped when answers are compared token by token."""
+  return tuple(i for i in range(vocab.vocab_size) if not vocab.decode([i]).strip())
+
+
+def non_term_ids(vocab: seqio.Vocabulary) -> tuple[int, ...]:
+  """Ids that are not search terms: whitespace-only and control pieces and the protocol
+  tags (the `ignore_ids` of a `BM25Index` over this vocabulary)."""
+  tags = {i for ids in tag_ids(vocab).values() for i in ids}
+  return tuple(sorted(set(whitespace_ids(vocab)) | tags))

@@ -5,3 +5,45 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+import dataclasses  # noqa: E402
+import json  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@dataclasses.dataclass
+class KnowledgeGraph:
+  """The embedded task, generated once per test session: paths, vocabulary, retriever."""
+  paths: dict
+  vocab: object
+  world: object
+  corpus: list
+  retriever: object
+
+  def encode(self, text):
+    return list(self.vocab.encode(text))
+
+  def decode(self, ids):
+    return self.vocab.decode([int(i) for i in ids])
+
+  def records(self, split):
+    with open(self.paths[split]) as f:
+      return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="session")
+def kg(tmp_path_factory):
+  from pbsd_jax import vocab as vocab_lib
+  from pbsd_jax.data.build import make_dataset
+  from pbsd_jax.data.world import load_world
+  from pbsd_jax.env.token_retriever import TokenBM25Retriever
+
+  paths = make_dataset(str(tmp_path_factory.mktemp("kg")))
+  vocab = vocab_lib.sentencepiece_vocabulary(paths["spm_model"])
+  with open(paths["corpus"]) as f:
+    corpus = [json.loads(line) for line in f]
+  retriever = TokenBM25Retriever.from_texts(
+      [d["contents"] for d in corpus], lambda s: list(vocab.encode(s)), vocab.vocab_size,
+      ids=[d["id"] for d in corpus], ignore_ids=vocab_lib.non_term_ids(vocab))
+  return KnowledgeGraph(paths, vocab, load_world(paths["world"]), corpus, retriever)
