@@ -7,11 +7,11 @@ import pytest
 
 from pbsd_jax import rollout as rollout_lib
 from pbsd_jax import vocab as vocab_lib
+from pbsd_jax.batch import forced_batch, gold_batch, prompt_batch
 from pbsd_jax.env import protocol
 from pbsd_jax.env.http import HttpRetriever, RetrievalServer
 from pbsd_jax.env.observations import format_document
 from pbsd_jax.models import ModelConfig, init_params
-from pbsd_jax.privileged import left_pad
 from pbsd_jax.rollout import (KIND_ANSWER, KIND_EOS, KIND_INVALID, KIND_SEARCH, AgentEnv,
                               assemble_observation, classify_turn, host_rollout,
                               ingraph_rollout)
@@ -42,28 +42,16 @@ def setup(kg):
 
 
 def _prompts(kg, records):
-  tokens, mask = left_pad([kg.encode(protocol.format_prompt(r["question"])) for r in records],
-                          P, pad_id=0)
+  tokens, mask = prompt_batch([r["question"] for r in records], kg.encode, P)
   return jnp.asarray(tokens), jnp.asarray(mask)
 
 
 def _forced(kg, action_lists):
-  forced = np.zeros((MAX_TURNS, len(action_lists), ACTION), np.int32)
-  lengths = np.zeros((MAX_TURNS, len(action_lists)), np.int32)
-  for b, actions in enumerate(action_lists):
-    for k, action in enumerate(actions):
-      ids = kg.encode(action)
-      forced[k, b, :len(ids)], lengths[k, b] = ids, len(ids)
-  return jnp.asarray(forced), jnp.asarray(lengths)
+  return tuple(map(jnp.asarray, forced_batch(action_lists, kg.encode, MAX_TURNS, ACTION)))
 
 
-def _gold(kg, golden_answers, width=12):
-  gold = np.full((len(golden_answers), max(map(len, golden_answers)), width), -1, np.int32)
-  for b, golds in enumerate(golden_answers):
-    for g, text in enumerate(golds):
-      ids = kg.encode(text)[:width]
-      gold[b, g, :len(ids)] = ids
-  return jnp.asarray(gold)
+def _gold(kg, golden_answers):
+  return jnp.asarray(gold_batch(golden_answers, kg.encode, 12))
 
 
 def _both(kg, setup, records, rng, forced=(None, None), retriever=None):
