@@ -9,10 +9,10 @@ import pytest
 
 from pbsd_jax import privileged
 from pbsd_jax.likelihood import dual_logprobs, token_logprobs
-from pbsd_jax.models import ModelConfig, init_params
+from pbsd_jax.models import ModelConfig, Transformer, init_params
 
-CONFIG = ModelConfig(vocab_size=256, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
-                     mlp_dim=64)
+CONFIG = ModelConfig(vocab_size=256, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                     mlp_dim=32)
 PAD = 0
 SENTINEL = "@#@"  # no question or trajectory below contains '@' or '#'
 TEMPLATE = "(T) {answer}\n"  # short: byte-level tokens
@@ -138,3 +138,27 @@ def test_left_pad_names_the_prompt_that_is_too_long():
 def test_dual_prompts_reports_a_teacher_prompt_that_does_not_fit():
   with pytest.raises(ValueError, match="teacher"):
     privileged.dual_prompts([encode("hi")], ["an answer"], encode, width=4, pad_id=0)
+
+
+def test_replayed_routes_per_condition_or_shared_reach_the_model():
+  moe = ModelConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                    mlp_dim=16, num_experts=4, num_experts_per_tok=2)
+  params = init_params(moe, jax.random.key(0))
+  rng = np.random.default_rng(0)
+  tokens = jnp.asarray(rng.integers(1, 32, size=(2, 6)), jnp.int32)
+  teacher = tokens.at[:, :2].set(jnp.asarray(rng.integers(1, 32, size=(2, 2)), jnp.int32))
+  mask = jnp.ones((2, 6), bool)
+  route = jax.jit(lambda t: Transformer(moe).apply({"params": params}, t, mask).routes)
+  own = jnp.stack([route(tokens), route(teacher)])
+  run = jax.jit(functools.partial(dual_logprobs, config=moe))
+  fresh = run(params, student_tokens=tokens, student_mask=mask, teacher_tokens=teacher,
+              teacher_mask=mask)
+  # Replaying each condition's own routes reproduces fresh routing.
+  replayed = run(params, student_tokens=tokens, student_mask=mask, teacher_tokens=teacher,
+                 teacher_mask=mask, routes=own)
+  np.testing.assert_allclose(replayed, fresh, rtol=1e-5, atol=1e-6)
+  # Shared routes (the student's, for both) apply to both conditions.
+  shared = run(params, student_tokens=tokens, student_mask=mask, teacher_tokens=teacher,
+               teacher_mask=mask, routes=own[0])
+  np.testing.assert_allclose(shared[0], fresh[0], rtol=1e-5, atol=1e-6)
+  assert np.max(np.abs(np.asarray(shared[1]) - np.asarray(fresh[1]))) > 1e-6
