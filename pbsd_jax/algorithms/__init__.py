@@ -6,12 +6,15 @@ inconsistent values, fail here with a `ValueError` naming the field. `names()` l
 registered algorithms: `grpo`, `pbsd`, `opsd`, `rlsd`, `gear` (DESIGN.md §2). Every one is GRPO
 with the DAPO switches plus its own fields; see each class for the defaults.
 
-The protocol (what the learner calls, per step):
+The protocol (what the learner calls, per step; the teacher view of a rollout is
+`privileged.teacher_sequence(tokens, mask, teacher_prompt, teacher_prompt_mask)`):
 
-1. Evidence, under `stop_gradient`, with the pre-update parameters:
+1. Evidence, under `stop_gradient`, with the pre-update parameters (and, for MoE, with
+   `routes=rollout routes if algo.replay_routing else None`):
    - `logp = likelihood.dual_logprobs(params, config, student_tokens, student_mask,
      teacher_tokens, teacher_mask)`; `logp[0]` is the student half (also the PPO "old"
-     log-probs), `logp[1]` the teacher half;
+     log-probs), `logp[1]` the teacher half. When `'logp_teacher'` is not in `algo.needs`,
+     the student half alone (`token_logprobs`) is enough;
    - if `'divergence'` or `'entropy'` is in `algo.needs`: `divergence, entropy =
      likelihood.token_divergence(params, params, config, ..., beta=1.0, with_entropy=True)`.
 2. `advantages, loss_mask, metrics = algo.advantages(AdvantageInputs(rewards=..., action_mask=

@@ -102,6 +102,9 @@ class GRPO:
     overlong_max_len: DAPO overlong penalty on the action-token count; None disables.
     overlong_buffer_len: the penalty's ramp width.
     overlong_factor: the penalty's magnitude.
+    replay_routing: MoE only: evaluate the pre-update evidence pass under the rollout's
+      recorded expert routes (an ablation; DESIGN §2 "Non-replay evidence recomputation"
+      wants False).
   """
 
   name: ClassVar[str] = "grpo"
@@ -121,6 +124,7 @@ class GRPO:
   overlong_max_len: int | None = None
   overlong_buffer_len: int = 0
   overlong_factor: float = 1.0
+  replay_routing: bool = False
 
   def __post_init__(self):
     self.validate()
