@@ -2,6 +2,7 @@
 
 import functools
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -211,3 +212,18 @@ def test_remat_gives_the_same_gradients():
 def test_inconsistent_config_raises_naming_the_field(changes, field):
   with pytest.raises(ValueError, match=field):
     ModelConfig(**{**dict(hidden_size=32, num_heads=4, num_kv_heads=2), **changes})
+
+
+def test_init_params_matches_the_flax_init_in_structure_and_distribution():
+  params = init_params(MOE, jax.random.key(0))
+  flax_params = Transformer(MOE).init(jax.random.key(0), jnp.zeros((1, 1), jnp.int32))
+  flax_params = jax.tree.map(lambda x: x, nn.meta.unbox(flax_params["params"]))
+  assert jax.tree.structure(params) == jax.tree.structure(flax_params)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(flax_params)):
+    assert a.shape == b.shape and a.dtype == b.dtype
+  np.testing.assert_array_equal(params["layers"]["attn"]["q_norm"]["scale"], 1.0)
+  assert abs(float(jnp.std(params["layers"]["moe"]["up_kernel"])) - 0.02) < 0.002
+  same = init_params(MOE, jax.random.key(0))["embedding"]
+  other = init_params(MOE, jax.random.key(1))["embedding"]
+  np.testing.assert_array_equal(params["embedding"], same)
+  assert not np.array_equal(params["embedding"], other)

@@ -21,6 +21,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 from pbsd_jax.models.config import ModelConfig
@@ -309,8 +310,28 @@ def _init_boxed(config: ModelConfig, rng: Array):
 
 
 def init_params(config: ModelConfig, rng: Array) -> Any:
-  """Random parameters for `config`: a plain pytree of arrays (`param_dtype`)."""
-  return nn.meta.unbox(_init_boxed(config, rng))
+  """Random parameters for `config`: a plain pytree of arrays (`param_dtype`).
+
+  The same distributions as `Transformer.init` (norm scales 1, biases 0, other weights
+  N(0, 0.02^2)) drawn on the host with numpy from a seed derived from `rng`: XLA compiles the
+  model's own init for seconds on a CPU, which every test and script would pay.
+  """
+  shapes = nn.meta.unbox(jax.eval_shape(lambda r: _init_boxed(config, r), rng))
+  seed = np.asarray(jax.random.key_data(rng) if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
+                    else rng).ravel().tolist()
+  gen = np.random.default_rng(seed)
+
+  def draw(path, leaf):
+    name = str(getattr(path[-1], "key", path[-1]))
+    if name == "scale":
+      value = np.ones(leaf.shape, np.float32)
+    elif name.endswith("_bias"):
+      value = np.zeros(leaf.shape, np.float32)
+    else:
+      value = gen.normal(0.0, 0.02, leaf.shape).astype(np.float32)
+    return jnp.asarray(value, leaf.dtype)
+
+  return jax.tree_util.tree_map_with_path(draw, shapes)
 
 
 def param_axes(config: ModelConfig) -> Any:
