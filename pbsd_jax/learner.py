@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any, Callable
 
 import jax
@@ -290,32 +291,50 @@ def accumulate_gradients(loss_fn: Callable[[Any, Any], tuple[Array, dict]], para
 
 
 def apply_update(params: Any, opt_state: Any, grads: Any, loss: Array,
-                 tx: optax.GradientTransformation) -> tuple[Any, Any, dict]:
+                 tx: optax.GradientTransformation, has_tokens: Array | bool = True
+                 ) -> tuple[Any, Any, dict]:
   """One optimiser update, or none when the loss or gradient is not finite.
+
+  A mini-batch without any loss token (`has_tokens` False, e.g. every group dropped by DAPO
+  dynamic sampling) is not applied either: AdamW would still move the parameters through its
+  momentum and weight decay on a zero gradient.
 
   Returns:
     `(params, opt_state, metrics)` with `grad_norm` (before clipping), `skipped` (1.0 when the
-    update was not applied, else 0.0).
+    update was not applied because of a non-finite value) and `empty` (1.0 when it was not
+    applied for want of loss tokens).
   """
   grad_norm = optax.tree.norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  apply = finite & has_tokens
   # Non-finite gradients are zeroed before the optimiser sees them, so no NaN enters its
   # arithmetic; the result is then discarded in favour of the old state.
   safe = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
   updates, new_opt_state = tx.update(safe, opt_state, params)
   new_params = optax.apply_updates(params, updates)
-  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+  keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
   return (keep(new_params, params), keep(new_opt_state, opt_state),
-          {"grad_norm": grad_norm, "skipped": 1.0 - finite.astype(jnp.float32)})
+          {"grad_norm": grad_norm, "skipped": 1.0 - finite.astype(jnp.float32),
+           "empty": finite.astype(jnp.float32) * (1.0 - jnp.asarray(has_tokens, jnp.float32))})
 
 
 def _split_micro(tree: Any, n_micro: int, micro: int) -> Any:
   return jax.tree.map(lambda x: x.reshape(n_micro, micro, *x.shape[1:]), tree)
 
 
+def _shards(micro_sharding: NamedSharding | None) -> int:
+  """Devices a micro-batch's rows are split over (1 without a sharding)."""
+  if micro_sharding is None:
+    return 1
+  rows = micro_sharding.spec[1] if len(micro_sharding.spec) > 1 else None
+  rows = () if rows is None else (rows,) if isinstance(rows, str) else rows
+  return math.prod(micro_sharding.mesh.shape[a] for a in rows)
+
+
 def sft_step(state: TrainState, tokens: Array, mask: Array, loss_mask: Array, *,
              config: ModelConfig, tx: optax.GradientTransformation,
-             plan: UpdatePlan = UpdatePlan()) -> tuple[TrainState, dict]:
+             plan: UpdatePlan = UpdatePlan(), micro_sharding: NamedSharding | None = None
+             ) -> tuple[TrainState, dict]:
   """One SFT update: masked NLL on `loss_mask` (the action tokens), micro-batch accumulated.
 
   Args:
@@ -324,21 +343,25 @@ def sft_step(state: TrainState, tokens: Array, mask: Array, loss_mask: Array, *,
     config: the model config.
     tx: the optimiser.
     plan: `micro_batch_size` and `chunk_size` are used (one update per call).
+    micro_sharding: optional sharding of a `[n_micro, micro, ...]` block (see `ppo_update`).
 
   Returns:
     `(new state, metrics)`: `loss` (the pre-update NLL), `entropy`, `grad_norm`,
-    `learning_rate`, `skipped_updates`.
+    `learning_rate`, `skipped_updates` and `empty_updates` (0 or 1, see `apply_update`).
   """
-  n_micro, micro = plan.micro_batches(tokens.shape[0])
+  n_micro, micro = plan.micro_batches(tokens.shape[0], _shards(micro_sharding))
   batch = _split_micro((tokens, mask, loss_mask), n_micro, micro)
+  if micro_sharding is not None:
+    batch = jax.lax.with_sharding_constraint(batch, micro_sharding)
   weights = jnp.sum(batch[2], axis=(1, 2)).astype(jnp.float32)
   loss_fn = lambda p, b: sft_loss(p, config, *b, chunk_size=plan.chunk_size)
   loss, grads, metrics = accumulate_gradients(loss_fn, state.params, batch, weights)
-  params, opt_state, update = apply_update(state.params, state.opt_state, grads, loss, tx)
+  params, opt_state, update = apply_update(state.params, state.opt_state, grads, loss, tx,
+                                           jnp.sum(weights) > 0)
   new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1)
   return new_state, {"loss": loss, **metrics, "grad_norm": update["grad_norm"],
                      "learning_rate": learning_rate(opt_state),
-                     "skipped_updates": update["skipped"]}
+                     "skipped_updates": update["skipped"], "empty_updates": update["empty"]}
 
 
 def loss_weight(aggregation: str, loss_mask: Array) -> Array:
@@ -401,13 +424,14 @@ def ppo_update(state: TrainState, batch: PolicyBatch, *, config: ModelConfig,
   Returns:
     `(new state, metrics)`: the loss metrics (`loss`, `pg_clipfrac`, `entropy`, ...) and
     `grad_norm` averaged over the applied updates (over all when none was applied),
-    `skipped_updates` (count), `learning_rate` (after the last update).
+    `skipped_updates` and `empty_updates` (counts, see `apply_update`), `learning_rate`
+    (after the last update).
   """
   if algo.distillation_beta is not None and teacher_params is None:
     raise ValueError(f"{algo.name} distils from frozen teacher parameters: pass "
                      "teacher_params (the initial parameters)")
   b = batch.tokens.shape[0]
-  n_micro, micro = plan.micro_batches(b)
+  n_micro, micro = plan.micro_batches(b, _shards(micro_sharding))
   rng, shuffle_rng = jax.random.split(state.rng)
   orders = [jax.random.permutation(jax.random.fold_in(shuffle_rng, e), b)
             for e in range(plan.epochs)]
@@ -423,18 +447,19 @@ def ppo_update(state: TrainState, batch: PolicyBatch, *, config: ModelConfig,
       micro_batches = jax.lax.with_sharding_constraint(micro_batches, micro_sharding)
     weights = loss_weight(algo.aggregation, micro_batches.loss_mask)
     loss, grads, metrics = accumulate_gradients(loss_fn, params, micro_batches, weights)
-    params, opt_state, info = apply_update(params, opt_state, grads, loss, tx)
+    params, opt_state, info = apply_update(params, opt_state, grads, loss, tx,
+                                           jnp.sum(weights) > 0)
     return (params, opt_state), {"loss": loss, **metrics, **info}
 
   (params, opt_state), per_update = jax.lax.scan(update, (state.params, state.opt_state),
                                                  order)
-  skipped = per_update.pop("skipped")
-  applied = 1.0 - skipped
-  any_applied = jnp.sum(applied) > 0
-  weights = jnp.where(any_applied, applied, jnp.ones_like(applied))
+  skipped, empty = per_update.pop("skipped"), per_update.pop("empty")
+  applied = (1.0 - skipped) * (1.0 - empty)
+  weights = jnp.where(jnp.sum(applied) > 0, applied, jnp.ones_like(applied))
   mean = lambda x: jnp.sum(jnp.where(weights > 0, x, 0.0) * weights) / jnp.sum(weights)
   metrics = {k: mean(v) for k, v in per_update.items()}
-  metrics.update(skipped_updates=jnp.sum(skipped), learning_rate=learning_rate(opt_state))
+  metrics.update(skipped_updates=jnp.sum(skipped), empty_updates=jnp.sum(empty),
+                 learning_rate=learning_rate(opt_state))
   new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1, rng=rng)
   return new_state, metrics
 
@@ -528,6 +553,7 @@ def make_sft_step(config: ModelConfig, tx: optax.GradientTransformation,
   fn = functools.partial(sft_step, config=config, tx=tx, plan=plan)
   if mesh is None:
     return jax.jit(fn, donate_argnums=0)
+  fn = functools.partial(fn, micro_sharding=_micro_sharding(mesh, rules))
   state_sh, data = train_state_shardings(config, tx, mesh, rules), sharding.batch_sharding(
       mesh, rules)
   return jax.jit(fn, in_shardings=(state_sh, data, data, data),

@@ -210,7 +210,22 @@ def test_apply_update_skips_a_non_finite_gradient_and_reports_it():
   np.testing.assert_allclose(info["grad_norm"], np.sqrt(2.0), rtol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["grpo", "pbsd", "gear"])
+def test_apply_update_without_loss_tokens_keeps_the_state():
+  # AdamW would still move on a zero gradient (weight decay); a batch with nothing to learn
+  # from must not.
+  tx = learner.make_optimizer(lr=0.1, weight_decay=0.5)
+  params = {"w": jnp.ones(2)}
+  opt_state = tx.init(params)
+  new_params, new_opt, info = learner.apply_update(params, opt_state, {"w": jnp.zeros(2)},
+                                                   jnp.float32(0.0), tx, has_tokens=False)
+  np.testing.assert_array_equal(new_params["w"], params["w"])
+  assert int(new_opt.count) == 0
+  assert float(info["empty"]) == 1.0 and float(info["skipped"]) == 0.0
+
+
+# (The student-only branch, for algorithms that read no teacher log-probs, runs in the OPSD
+# end-to-end test below.)
+@pytest.mark.parametrize("name", ["pbsd", "gear"])
 def test_policy_batch_recomputes_evidence_with_current_params(name):
   config = mw.make_config()
   algo = algorithms.get(name, group_size=4)
@@ -257,6 +272,22 @@ def test_opsd_loss_vanishes_when_the_teacher_is_the_student():
       params, batch, teacher_params=params)
   np.testing.assert_allclose(float(metrics["opsd/distill_loss"]), 0.0, atol=1e-6)
   np.testing.assert_allclose(float(loss), 0.0, atol=1e-6)
+
+
+def test_opsd_steps_pull_the_student_towards_the_frozen_teacher():
+  config = mw.make_config()
+  tx = learner.make_optimizer(lr=1e-3)
+  algo = algorithms.get("opsd", group_size=4)
+  step = learner.make_rl_step(config, tx, algo, mw.MAX_TURNS, learner.UpdatePlan(chunk_size=8))
+  teacher_params = mw.initial_params()  # the frozen initial model, on the privileged prompt
+  state = mw.initial_state(tx)
+  rollout = mw.make_rollout(12)
+  distill = []
+  for _ in range(3):
+    state, metrics = step(state, *rollout, teacher_params)
+    distill.append(float(metrics["opsd/distill_loss"]))
+  assert distill[0] > 0.0  # the privileged prompt changes the teacher's distributions
+  assert distill[2] < distill[1] < distill[0], distill
 
 
 def test_distillation_without_teacher_params_is_an_error():
