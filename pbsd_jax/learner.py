@@ -570,6 +570,8 @@ def make_rl_step(config: ModelConfig, tx: optax.GradientTransformation, algo: An
     (state, metrics)`. With a mesh, in/out shardings are explicit: state from
     `train_state_shardings`, rollout and prompts rows over the data axes, teacher params
     like the params, metrics replicated; each micro-batch is constrained to the data axes.
+    The state's buffers are donated: pass OPSD's frozen `teacher_params` as a separate copy,
+    never `state.params` itself.
   """
   fn = functools.partial(rl_step, config=config, tx=tx, algo=algo, max_turns=max_turns,
                          plan=plan)
