@@ -1,0 +1,73 @@
+"""Base run configuration: the paper's defaults (DESIGN.md §2) on the embedded task.
+
+Load with `config_flags.DEFINE_config_file('config')` and override from the command line, e.g.
+`--config=configs/pbsd.py --config.pbsd.delta=0.2 --config.model.name=qwen3-0.6b`.
+`pbsd_jax.train.validate` checks a config at start-up and names the field it rejects.
+Optional algorithm values use 0 for "off" (`grpo.dual_clip`, `grpo.norm_len`,
+`grpo.overlong_max_len`) so every field has a type the command line can parse.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.algorithm = "grpo"
+
+  # Model: a size from configs/models.py, or an HF checkpoint directory to start from.
+  c.model = ml_collections.ConfigDict(dict(name="tiny", hf_dir="", param_dtype="float32",
+                                           dtype="float32", remat=False))
+
+  # Data: `dir` holds make_data.py output (made there if missing and `make_if_missing`).
+  c.data = ml_collections.ConfigDict(dict(dir="", make_if_missing=True, data_seed=0,
+                                          prompt_width=48, gold_width=12,
+                                          prompt_template="default"))
+
+  # Environment: `retriever` is "ingraph" (BM25Index, whole step in one jit), "host" (the
+  # same index through the host turn loop) or "http" (a Search-R1 retrieval server at `url`).
+  c.env = ml_collections.ConfigDict(dict(
+      retriever="ingraph", url="", timeout_s=10.0, max_retries=3, buffer_size=640,
+      max_turns=7, max_action_tokens=48, max_observation_tokens=44, max_query_tokens=12,
+      top_k=1))
+
+  # Rollout (paper: 32 prompts x 8 trajectories, temperature 1, top-p 1).
+  c.rollout = ml_collections.ConfigDict(dict(prompts_per_step=32, temperature=1.0, top_p=1.0,
+                                             top_k=0))
+
+  # Optimiser (paper: Adam(W), 8 warm-up steps, peak lr 3e-6, weight decay 0.1).
+  c.optim = ml_collections.ConfigDict(dict(lr=3e-6, warmup_steps=8, weight_decay=0.1, b1=0.9,
+                                           b2=0.999, grad_clip=1.0, schedule="constant"))
+
+  # RL stage: PPO epochs x mini-batches per step; micro_batch_size 0 = the whole mini-batch;
+  # chunk_size 0 = the LM head over the whole sequence at once.
+  c.rl = ml_collections.ConfigDict(dict(steps=112, epochs=1, minibatches=1,
+                                        micro_batch_size=0, chunk_size=0))
+
+  # SFT stage on oracle trajectories (0 steps: skip).
+  c.sft = ml_collections.ConfigDict(dict(steps=0, batch_size=32, lr=1e-3, warmup_steps=20))
+
+  # Evaluation (paper: top-p 0.95).
+  c.eval = ml_collections.ConfigDict(dict(every=0, num_examples=200, temperature=1.0,
+                                          top_p=0.95, pass_k=(1, 2, 4, 8, 16)))
+
+  # Mesh ('data', 'fsdp', 'tensor'); -1 takes the remaining devices.
+  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
+
+  c.checkpoint = ml_collections.ConfigDict(dict(save_interval_steps=10, max_to_keep=3,
+                                                async_save=True))
+
+  # Algorithm hyperparameters: `grpo` is shared by every algorithm; each other section holds
+  # its own (DESIGN.md §2 defaults).
+  c.grpo = ml_collections.ConfigDict(dict(
+      group_size=8, std_ddof=1, adv_eps=1e-6, normalize_std=True, eps_low=0.2, eps_high=0.28,
+      dual_clip=0.0, aggregation="token-mean", norm_len=0.0, dynamic_sampling=False,
+      overlong_max_len=0, overlong_buffer_len=0, overlong_factor=1.0))
+  c.pbsd = ml_collections.ConfigDict(dict(delta=0.1, clip=0.1, eps_pos=0.001, eps_neg=0.003,
+                                          reduction="mean", form="tanh",
+                                          replay_routing=False))
+  c.opsd = ml_collections.ConfigDict(dict(beta=1.0, rl_coef=0.0))
+  c.rlsd = ml_collections.ConfigDict(dict(lam_init=0.5, lam_decay_steps=50, eps_w=0.2))
+  c.gear = ml_collections.ConfigDict(dict(kl_threshold=0.4, entropy_threshold=1.5,
+                                          segment_gain=0.5, kl_temperature=1.0))
+  return c

@@ -1,0 +1,21 @@
+"""Model sizes by name: keyword arguments of `ModelConfig` (`--config.model.name`). The tiny
+size takes vocab_size from the vocabulary; the accelerator shapes carry their own."""
+
+SIZES = {
+    # CPU: trains in minutes on the embedded task.
+    "tiny": dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=512,
+                 tie_embeddings=True, rope_theta=10_000.0),
+    # Accelerator shapes of public checkpoints (load weights with --config.model.hf_dir).
+    "qwen2.5-0.5b": dict(vocab_size=151_936, hidden_size=896, num_layers=24, num_heads=14,
+                         num_kv_heads=2, head_dim=64, mlp_dim=4864, qkv_bias=True,
+                         tie_embeddings=True, rope_theta=1_000_000.0, rms_norm_eps=1e-6),
+    "qwen3-0.6b": dict(vocab_size=151_936, hidden_size=1024, num_layers=28, num_heads=16,
+                       num_kv_heads=8, head_dim=128, mlp_dim=3072, qk_norm=True,
+                       tie_embeddings=True, rope_theta=1_000_000.0, rms_norm_eps=1e-6),
+    "qwen3-8b": dict(vocab_size=151_936, hidden_size=4096, num_layers=36, num_heads=32,
+                     num_kv_heads=8, head_dim=128, mlp_dim=12_288, qk_norm=True,
+                     tie_embeddings=False, rope_theta=1_000_000.0, rms_norm_eps=1e-6),
+    "llama3-8b": dict(vocab_size=128_256, hidden_size=4096, num_layers=32, num_heads=32,
+                      num_kv_heads=8, head_dim=128, mlp_dim=14_336, tie_embeddings=False,
+                      rope_theta=500_000.0, rms_norm_eps=1e-5),
+}

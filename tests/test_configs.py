@@ -1,0 +1,105 @@
+"""Run configs: the paper's defaults, command-line overrides, start-up errors naming the field."""
+
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+from absl import flags
+from ml_collections import config_flags
+
+from pbsd_jax import train
+from pbsd_jax.models import ModelConfig
+from pbsd_jax.models.sizes import SIZES
+
+CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
+
+
+def load(name, *overrides):
+  """Loads configs/<name>.py exactly as a script does, with `--config.x=y` overrides."""
+  values = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", flag_values=values)
+  argv = ["prog", f"--config={os.path.join(CONFIGS, name)}.py", *overrides]
+  saved, sys.argv = sys.argv, argv  # config_flags reads the overrides from sys.argv
+  try:
+    values(argv)
+  finally:
+    sys.argv = saved
+  return values.config
+
+
+@pytest.mark.parametrize("name", ["grpo", "pbsd", "opsd", "rlsd", "gear", "demo"])
+def test_every_config_loads_validates_and_names_its_algorithm(name):
+  config = load(name)
+  train.validate(config, num_devices=1)
+  algo = train.build_algorithm(config)
+  assert algo.name == (name if name != "demo" else "pbsd")
+
+
+def test_pbsd_config_holds_the_papers_hyperparameters():
+  config = load("pbsd")
+  algo = train.build_algorithm(config)
+  assert (algo.delta, algo.clip, algo.eps_pos, algo.eps_neg) == (0.1, 0.1, 0.001, 0.003)
+  assert (algo.eps_low, algo.eps_high, algo.group_size) == (0.2, 0.28, 8)
+  assert algo.reduction == "mean" and algo.form == "tanh" and not algo.replay_routing
+  assert algo.dual_clip is None and algo.overlong_max_len is None
+  assert config.rollout.prompts_per_step == 32 and config.rollout.temperature == 1.0
+  assert (config.optim.lr, config.optim.warmup_steps, config.optim.weight_decay) == (
+      3e-6, 8, 0.1)
+  assert config.eval.top_p == 0.95
+
+
+def test_baseline_configs_hold_their_constants():
+  assert train.build_algorithm(load("rlsd")).lam_decay_steps == 50
+  assert train.build_algorithm(load("rlsd")).eps_w == 0.2
+  gear = train.build_algorithm(load("gear"))
+  assert (gear.kl_threshold, gear.entropy_threshold) == (0.4, 1.5)
+  assert train.build_algorithm(load("opsd")).beta == 1.0
+
+
+def test_command_line_overrides_reach_the_algorithm():
+  config = load("pbsd", "--config.pbsd.delta=0.2", "--config.grpo.dual_clip=3.0",
+                "--config.pbsd.form=clipped_tanh")
+  algo = train.build_algorithm(config)
+  assert (algo.delta, algo.dual_clip, algo.form) == (0.2, 3.0, "clipped_tanh")
+
+
+@pytest.mark.parametrize("override, field", [
+    ("--config.pbsd.delta=-0.1", "config.pbsd.delta"),
+    ("--config.pbsd.eps_pos=-0.001", "config.pbsd.eps_pos"),
+    ("--config.grpo.eps_low=1.5", "config.grpo.eps_low"),
+    ("--config.algorithm=ppo", "config.algorithm"),
+    ("--config.model.name=gpt5", "config.model.name"),
+    ("--config.rl.minibatches=3", "config.rl.minibatches"),
+    ("--config.rl.micro_batch_size=5", "config.rl.micro_batch_size"),
+    ("--config.env.retriever=google", "config.env.retriever"),
+    ("--config.mesh.data=3", "config.mesh"),
+    ("--config.rollout.top_p=0.0", "config.rollout.top_p"),
+    ("--config.data.prompt_width=4096", "config.data.prompt_width"),
+])
+def test_bad_values_fail_at_start_up_naming_the_field(override, field):
+  with pytest.raises(train.ConfigError, match=field.replace(".", r"\.")):
+    train.validate(load("pbsd", override), num_devices=8)
+
+
+def test_batch_must_divide_over_the_data_shards():
+  config = load("pbsd", "--config.rollout.prompts_per_step=1", "--config.grpo.group_size=3",
+                "--config.mesh.data=2", "--config.mesh.fsdp=1")
+  with pytest.raises(train.ConfigError, match="prompts_per_step"):
+    train.validate(config, num_devices=2)
+
+
+@pytest.mark.parametrize("name, billions", [("qwen2.5-0.5b", 0.494), ("qwen3-0.6b", 0.596),
+                                            ("qwen3-8b", 8.19), ("llama3-8b", 8.03)])
+def test_model_sizes_have_the_public_checkpoints_parameter_counts(name, billions):
+  from pbsd_jax.sharding import param_shapes
+  config = train.build_model_config(load("pbsd", f"--config.model.name={name}"))
+  count = sum(np.prod(x.shape) for x in jax.tree.leaves(param_shapes(config)))
+  assert abs(count / 1e9 - billions) / billions < 0.01, count
+
+
+def test_tiny_size_takes_the_vocabulary_size():
+  config = train.build_model_config(load("demo"), vocab_size=2048)
+  assert isinstance(config, ModelConfig) and config.vocab_size == 2048
+  assert set(SIZES) >= {"tiny", "qwen2.5-0.5b", "qwen3-0.6b", "qwen3-8b", "llama3-8b"}
