@@ -2,7 +2,7 @@
 
 Load with `config_flags.DEFINE_config_file('config')` and override from the command line, e.g.
 `--config=configs/pbsd.py --config.pbsd.delta=0.2 --config.model.name=qwen3-0.6b`.
-`pbsd_jax.train.validate` checks a config at start-up and names the field it rejects.
+`pbsd_jax.run_config.validate` checks a config at start-up and names the field it rejects.
 Optional algorithm values use 0 for "off" (`grpo.dual_clip`, `grpo.norm_len`,
 `grpo.overlong_max_len`) so every field has a type the command line can parse.
 """

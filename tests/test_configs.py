@@ -9,7 +9,7 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from pbsd_jax import train
+from pbsd_jax import run_config as train
 from pbsd_jax.models import ModelConfig
 from pbsd_jax.models.sizes import SIZES
 

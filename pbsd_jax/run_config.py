@@ -1,8 +1,9 @@
-"""The run's configuration edge: validate a ConfigDict and build the pieces it names.
+"""A run configuration: validate a ConfigDict and build the pieces it names.
 
-This is the only library module that reads a `ml_collections.ConfigDict` (configs/ holds the
-files); everything it builds takes plain values. `validate` runs at start-up, before anything
-compiles, and every error names the offending `config.<field>` in one line.
+With `pbsd_jax.train` (the loop), the only library modules that read a `ml_collections`
+ConfigDict (configs/ holds the files); everything they build takes plain values. `validate`
+runs at start-up, before anything compiles, and every error names the offending
+`config.<field>` in one line.
 """
 
 from __future__ import annotations
