@@ -27,7 +27,7 @@ from absl import app, flags
 import jax
 import orbax.checkpoint as ocp
 
-from pbsd_jax.models import hf
+from pbsd_jax.models import hf, safetensors_io
 from pbsd_jax.models.config import ModelConfig
 from pbsd_jax.models.transformer import init_params
 
@@ -36,7 +36,7 @@ PARAMS_DIR = "params"
 ASSETS_DIR = "hf_assets"
 # Fields of the original config.json that an export carries over (token ids, context length).
 _CARRIED_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
-_WEIGHT_FILES = (hf.SINGLE_FILE, hf.INDEX_FILE)
+_WEIGHT_FILES = (safetensors_io.SINGLE_FILE, safetensors_io.INDEX_FILE)
 
 
 def save_params_checkpoint(directory: str, config: ModelConfig, params: Any) -> None:

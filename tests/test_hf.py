@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from pbsd_jax.models import hf
+from pbsd_jax.models import hf, safetensors_io
 from pbsd_jax.models.config import ModelConfig
 from pbsd_jax.models.transformer import init_params, param_axes
 from pbsd_jax.sampling import Sampler
@@ -93,7 +93,7 @@ def test_export_reloads_in_transformers_with_identical_tensors_and_logits(
   config, params = _loaded(path)
   hf.save(config, params, str(tmp_path), architecture=model.config.architectures[0],
           max_shard_size="16KB")
-  assert os.path.exists(tmp_path / hf.INDEX_FILE)
+  assert os.path.exists(tmp_path / safetensors_io.INDEX_FILE)
   reloaded = hf_fixtures.from_pretrained(str(tmp_path))
   original, exported = model.state_dict(), reloaded.state_dict()
   assert sorted(exported) == sorted(original)
@@ -139,7 +139,8 @@ def _first_axis_rule(mesh, candidates=("vocab", "mlp", "head_dim")):
 @requires_torch
 def test_multi_shard_checkpoint_loads_each_array_with_its_sharding(checkpoints):
   path = checkpoints["qwen3_wide_heads"][0]  # 20KB shards; head_dim 16 split over 8 devices
-  assert len(set(json.load(open(os.path.join(path, hf.INDEX_FILE)))["weight_map"].values())) > 1
+  index = json.load(open(os.path.join(path, safetensors_io.INDEX_FILE)))
+  assert len(set(index["weight_map"].values())) > 1
   config, reference = _loaded(path)
   mesh = jax.make_mesh((8,), ("fsdp",))
   rule = _first_axis_rule(mesh)
@@ -178,7 +179,7 @@ def test_fused_expert_tensors_load_like_per_expert_tensors(checkpoints, tmp_path
   path, model = checkpoints["qwen3_moe"]
   state = {name: t.contiguous() for name, t in model.state_dict().items()}
   assert "model.layers.0.mlp.experts.gate_up_proj" in state
-  save_file(state, str(tmp_path / hf.SINGLE_FILE), metadata={"format": "pt"})
+  save_file(state, str(tmp_path / safetensors_io.SINGLE_FILE), metadata={"format": "pt"})
   (tmp_path / hf.CONFIG_FILE).write_text(open(os.path.join(path, hf.CONFIG_FILE)).read())
   mesh = jax.make_mesh((8,), ("fsdp",))
   _, fused = hf.load(str(tmp_path), shardings=_first_axis_rule(mesh, ("mlp",)))
@@ -205,57 +206,6 @@ def test_nonzero_output_projection_bias_is_rejected(tmp_path):
   hf_fixtures.write_checkpoint("llama_attention_bias", str(tmp_path), zero_output_bias=False)
   with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.o_proj\.bias is nonzero"):
     hf.load(str(tmp_path))
-
-
-@requires_torch
-def test_chat_template_renders_like_transformers(tmp_path):
-  import transformers
-  hf_fixtures.write_chatml_tokenizer(str(tmp_path))
-  tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
-  conversations = [
-      [{"role": "user", "content": "who are you ?"}],
-      [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"},
-       {"role": "assistant", "content": "hello", "tool_calls": None},
-       {"role": "user", "content": "who are you ?"}],
-  ]
-  for messages in conversations:
-    for add_generation_prompt in (True, False):
-      expected = tokenizer.apply_chat_template(
-          messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-      assert hf.apply_chat_template(str(tmp_path), messages,
-                                    add_generation_prompt=add_generation_prompt) == expected
-
-
-@requires_torch
-def test_chat_prompt_encodes_like_transformers_through_the_seqio_vocabulary(tmp_path):
-  import transformers
-  from pbsd_jax.vocab import HfTokenizerVocabulary  # imports TensorFlow (seqio)
-  hf_fixtures.write_chatml_tokenizer(str(tmp_path))
-  messages = [{"role": "user", "content": "Who founded the city of Varnhollow?"},
-              {"role": "assistant", "content": "<search> Varnhollow founder </search>"}]
-  text = hf.apply_chat_template(str(tmp_path), messages, add_generation_prompt=True)
-  vocab = HfTokenizerVocabulary(str(tmp_path / "tokenizer.json"))
-  ids = vocab.encode(text)
-  tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
-  assert ids == tokenizer(text, add_special_tokens=False)["input_ids"]
-  assert ids.count(tokenizer.convert_tokens_to_ids("<|im_start|>")) == 4
-  assert vocab.decode(ids) == text.split("<|im_end|>")[0]  # seqio decodes up to the first eos
-
-
-def test_chat_template_jinja_file_wins_over_tokenizer_config(tmp_path):
-  (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-      {"chat_template": "config", "eos_token": {"content": "</s>"}}))
-  (tmp_path / "chat_template.jinja").write_text(
-      "{% for m in messages %}[{{ m.role }}]{{ m.content }}{{ eos_token }}{% endfor %}"
-      "{% if add_generation_prompt %}[assistant]{% endif %}")
-  text = hf.apply_chat_template(str(tmp_path), [{"role": "user", "content": "hi"}])
-  assert text == "[user]hi</s>[assistant]"
-
-
-def test_missing_chat_template_names_the_directory(tmp_path):
-  (tmp_path / "tokenizer_config.json").write_text("{}")
-  with pytest.raises(ValueError, match="no chat template"):
-    hf.apply_chat_template(str(tmp_path), [{"role": "user", "content": "hi"}])
 
 
 # Round trips of our own params: no torch needed.
@@ -300,9 +250,9 @@ def test_single_file_and_sharded_saves_write_the_expected_files(tmp_path):
   config = _OWN_CONFIGS["qwen2_tied"]
   params = _random_params(config)
   hf.save(config, params, str(tmp_path / "one"))
-  assert sorted(os.listdir(tmp_path / "one")) == [hf.CONFIG_FILE, hf.SINGLE_FILE]
+  assert sorted(os.listdir(tmp_path / "one")) == [hf.CONFIG_FILE, safetensors_io.SINGLE_FILE]
   hf.save(config, params, str(tmp_path / "many"), max_shard_size="10KB")
-  index = json.load(open(tmp_path / "many" / hf.INDEX_FILE))
+  index = json.load(open(tmp_path / "many" / safetensors_io.INDEX_FILE))
   shards = sorted(set(index["weight_map"].values()))
   assert len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
   assert index["metadata"]["total_size"] == sum(x.size * 4 for x in jax.tree.leaves(params))
@@ -310,11 +260,11 @@ def test_single_file_and_sharded_saves_write_the_expected_files(tmp_path):
 
 def _rewrite_single_file(path, change):
   """Applies `change(dict name -> array)` to a single-file checkpoint at `path`."""
-  source = hf._SafetensorsFile(os.path.join(path, hf.SINGLE_FILE))
+  source = safetensors_io.SafetensorsFile(os.path.join(path, safetensors_io.SINGLE_FILE))
   tensors = {name: np.array(source.array(name)) for name in source.names()}
   del source
   change(tensors)
-  hf._write_safetensors(os.path.join(path, hf.SINGLE_FILE), tensors)
+  safetensors_io.write_safetensors(os.path.join(path, safetensors_io.SINGLE_FILE), tensors)
 
 
 @pytest.fixture

@@ -15,9 +15,8 @@ leading axes. One `_Layout` per parameter states the mapping
 and is used in both directions, and for slices: with a sharding, each device reads only the
 rows of the memory-mapped safetensors files that its shard needs.
 
-The safetensors format is read and written here with numpy (+ `ml_dtypes` for bfloat16, which
-the `safetensors` package cannot hand to numpy), so `load`/`save` need neither torch nor
-transformers.
+The files themselves are read and written by `safetensors_io` with numpy alone, so `load`/`save`
+need neither torch nor transformers. Chat templates live in `chat_template`.
 """
 
 from __future__ import annotations
@@ -28,15 +27,14 @@ import itertools
 import json
 import math
 import os
-import re
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from pbsd_jax.models import safetensors_io
 from pbsd_jax.models.config import ModelConfig
 from pbsd_jax.models.transformer import Transformer, param_axes
 
@@ -46,108 +44,8 @@ MODEL_TYPES = {LLAMA: "llama", QWEN2: "qwen2", QWEN3: "qwen3", QWEN3_MOE: "qwen3
 SUPPORTED_ARCHITECTURES = tuple(MODEL_TYPES)
 
 CONFIG_FILE = "config.json"
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 
-_ST_DTYPES = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
-              "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype("<i8"),
-              "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
-              "U8": np.dtype("u1"), "BOOL": np.dtype("?")}
-_ST_NAMES = {dtype: name for name, dtype in _ST_DTYPES.items()}
 _FLOAT_DTYPES = ("float32", "bfloat16", "float16")
-
-
-class _SafetensorsFile:
-  """One memory-mapped `.safetensors` file; slicing an `array` reads only the pages it needs."""
-
-  def __init__(self, path: str):
-    self.path = path
-    with open(path, "rb") as f:
-      header_size = int.from_bytes(f.read(8), "little")
-      try:
-        header = json.loads(f.read(header_size))
-      except ValueError as e:
-        raise ValueError(f"{path}: not a safetensors file (unreadable header: {e})") from None
-    header.pop("__metadata__", None)
-    self._entries = header
-    self._data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_size) if any(
-        e["data_offsets"][1] > e["data_offsets"][0] for e in header.values()) else None
-
-  def names(self) -> list[str]:
-    return list(self._entries)
-
-  def __contains__(self, name: str) -> bool:
-    return name in self._entries
-
-  def shape(self, name: str) -> tuple[int, ...]:
-    return tuple(self._entries[name]["shape"])
-
-  def array(self, name: str) -> np.ndarray:
-    """A lazy (memory-mapped) view of tensor `name`."""
-    entry = self._entries[name]
-    if entry["dtype"] not in _ST_DTYPES:
-      raise ValueError(f"{self.path}: tensor {name} has unsupported dtype {entry['dtype']}")
-    begin, end = entry["data_offsets"]
-    if begin == end:
-      return np.zeros(entry["shape"], _ST_DTYPES[entry["dtype"]])
-    return self._data[begin:end].view(_ST_DTYPES[entry["dtype"]]).reshape(entry["shape"])
-
-
-def _write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
-  """Writes `tensors` (name -> array) as one `.safetensors` file (format tag "pt")."""
-  header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-  offset = 0
-  for name, array in tensors.items():
-    if array.dtype not in _ST_NAMES:
-      raise ValueError(f"tensor {name}: dtype {array.dtype} cannot be written to safetensors")
-    header[name] = {"dtype": _ST_NAMES[array.dtype], "shape": list(array.shape),
-                    "data_offsets": [offset, offset + array.nbytes]}
-    offset += array.nbytes
-  blob = json.dumps(header, separators=(",", ":")).encode()
-  blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
-  with open(path, "wb") as f:
-    f.write(len(blob).to_bytes(8, "little"))
-    f.write(blob)
-    for array in tensors.values():
-      f.write(np.ascontiguousarray(array).tobytes())
-
-
-class _Checkpoint:
-  """The tensors of a Hugging Face model directory, over one or many safetensors shards."""
-
-  def __init__(self, path: str):
-    self.path = path
-    index_path, single_path = os.path.join(path, INDEX_FILE), os.path.join(path, SINGLE_FILE)
-    if os.path.exists(index_path):
-      with open(index_path) as f:
-        weight_map = json.load(f).get("weight_map")
-      if not isinstance(weight_map, dict):
-        raise ValueError(f"{index_path}: missing the 'weight_map' object")
-      files = {shard: _SafetensorsFile(os.path.join(path, shard))
-               for shard in sorted(set(weight_map.values()))}
-      self._files = {tensor: files[shard] for tensor, shard in weight_map.items()}
-    elif os.path.exists(single_path):
-      single = _SafetensorsFile(single_path)
-      self._files = {name: single for name in single.names()}
-    else:
-      raise ValueError(f"{path}: neither {INDEX_FILE} nor {SINGLE_FILE} exists")
-
-  def __contains__(self, name: str) -> bool:
-    return name in self._files
-
-  def array(self, name: str, expected_shape: Sequence[int]) -> np.ndarray:
-    """Lazy view of tensor `name`; a missing tensor or a wrong shape is a ValueError."""
-    if name not in self._files:
-      raise ValueError(f"{self.path}: checkpoint is missing tensor {name} (expected shape "
-                       f"{tuple(expected_shape)})")
-    source = self._files[name]
-    if name not in source:
-      raise ValueError(f"tensor {name} is listed in {INDEX_FILE} but absent from "
-                       f"{source.path} (expected shape {tuple(expected_shape)})")
-    if source.shape(name) != tuple(expected_shape):
-      raise ValueError(f"tensor {name} has shape {source.shape(name)}, expected "
-                       f"{tuple(expected_shape)}")
-    return source.array(name)
 
 
 def _field(hf: dict, name: str, default: Any = None, required: bool = False) -> Any:
@@ -341,7 +239,7 @@ class _Layout:
   def hf_name(self, index: tuple[int, ...]) -> str:
     return self.name.format(**dict(zip(("layer", "expert"), index)))
 
-  def read(self, checkpoint: _Checkpoint, index: tuple[slice, ...] | None = None) -> np.ndarray:
+  def read(self, checkpoint: safetensors_io.SafetensorsCheckpoint, index: tuple[slice, ...] | None = None) -> np.ndarray:
     """Our parameter, or the slice `index` of it, read from `checkpoint`."""
     index = tuple(index or ()) + (slice(None),) * (len(self.shape) - len(index or ()))
     ranges = [range(*s.indices(n)) for s, n in zip(index, self.shape)]
@@ -495,7 +393,7 @@ def load(path: str, *, mesh: jax.sharding.Mesh | None = None, shardings: Shardin
     hf = json.load(f)
   arch = architecture_of(hf)
   config = config_from_hf(hf, param_dtype, dtype)
-  checkpoint = _Checkpoint(path)
+  checkpoint = safetensors_io.SafetensorsCheckpoint(path)
   for name in _output_bias_names(config, arch):
     if np.any(checkpoint.array(name, (config.hidden_size,))):
       raise ValueError(f"tensor {name} is nonzero: an output-projection bias is not "
@@ -517,17 +415,6 @@ def load(path: str, *, mesh: jax.sharding.Mesh | None = None, shardings: Shardin
           lambda index, layout=layout: layout.read(checkpoint, index).astype(target))
     _set_path(params, path_keys, array)
   return config, params
-
-
-def _parse_size(size: int | str) -> int:
-  """Bytes of `size`: an int, or a string like '5GB' (10^9) or '5GiB' (2^30)."""
-  if isinstance(size, int):
-    return size
-  match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?)B\s*", size.upper().replace("IB", "iB"))
-  if not match:
-    raise ValueError(f"max_shard_size={size!r}: expected bytes or e.g. '5GB', '500MiB'")
-  base = 1024 if match.group(3) else 1000
-  return int(float(match.group(1)) * base ** "_KMGT".index(match.group(2) or "_"))
 
 
 def _to_host(array: Any) -> np.ndarray:
@@ -575,25 +462,16 @@ def save(config: ModelConfig, params: Any, path: str, *, architecture: str | Non
       raise ValueError(f"params {'/'.join(path_keys)} has shape {tuple(leaf.shape)}, "
                        f"expected {layout.shape}")
   dtype = np.dtype(config.jnp_param_dtype)
-  limit = _parse_size(max_shard_size)
-  shards: list[list] = [[]]
-  size = 0
-  for entry in _hf_entries(config, arch):
-    nbytes = math.prod(entry[1]) * dtype.itemsize
-    if shards[-1] and size + nbytes > limit:
-      shards.append([])
-      size = 0
-    shards[-1].append(entry)
-    size += nbytes
+  entries = _hf_entries(config, arch)
+  shards = [[entries[i] for i in shard] for shard in safetensors_io.plan_shards(
+      [math.prod(shape) * dtype.itemsize for _, shape, _, _ in entries], max_shard_size)]
   writer = jax.process_index() == 0
   if writer:
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, CONFIG_FILE), "w") as f:
       json.dump(hf, f, indent=2)
-  names = ([SINGLE_FILE] if len(shards) == 1 else
-           [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
   weight_map, total = {}, 0
-  for file_name, shard in zip(names, shards):
+  for file_name, shard in zip(safetensors_io.shard_file_names(len(shards)), shards):
     tensors = {}
     for hf_name, shape, ids, path_keys in shard:
       if path_keys is None:
@@ -605,10 +483,9 @@ def save(config: ModelConfig, params: Any, path: str, *, architecture: str | Non
       weight_map[hf_name] = file_name
       total += tensors[hf_name].nbytes
     if writer:
-      _write_safetensors(os.path.join(path, file_name), tensors)
+      safetensors_io.write_safetensors(os.path.join(path, file_name), tensors)
   if writer and len(shards) > 1:
-    with open(os.path.join(path, INDEX_FILE), "w") as f:
-      json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    safetensors_io.write_index(path, weight_map, total)
 
 
 @functools.partial(jax.jit, static_argnames=("config",))
@@ -626,100 +503,3 @@ def forward_logits(config: ModelConfig, params: Any, tokens: jax.Array,
   tokens = jnp.asarray(tokens, jnp.int32)
   mask = jnp.ones(tokens.shape, bool) if mask is None else jnp.asarray(mask, bool)
   return _forward(config, params, tokens, mask)
-
-
-_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
-                   "mask_token")
-
-
-def _token_text(token: Any) -> Any:
-  return token.get("content") if isinstance(token, dict) else token
-
-
-@functools.lru_cache(maxsize=16)
-def _compile_template(source: str):
-  # The same sandboxed environment, filters and globals transformers uses, so a template renders
-  # identically here and in `tokenizer.apply_chat_template(..., tokenize=False)`.
-  import datetime  # pylint: disable=g-import-not-at-top
-  import jinja2  # pylint: disable=g-import-not-at-top
-  import jinja2.ext  # pylint: disable=g-import-not-at-top
-  from jinja2.sandbox import ImmutableSandboxedEnvironment  # pylint: disable=g-import-not-at-top
-
-  def raise_exception(message):
-    raise jinja2.exceptions.TemplateError(message)
-
-  def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
-
-  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                      extensions=[jinja2.ext.loopcontrols])
-  env.filters["tojson"] = tojson
-  env.globals["raise_exception"] = raise_exception
-  env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-  return env.from_string(source)
-
-
-def chat_template_source(model_dir: str) -> str:
-  """The default chat template of a tokenizer directory.
-
-  `chat_template.jinja` wins over the `chat_template` field of `tokenizer_config.json` (as in
-  transformers); a list of named templates yields the one named "default".
-  """
-  jinja_path = os.path.join(model_dir, "chat_template.jinja")
-  if os.path.exists(jinja_path):
-    with open(jinja_path, encoding="utf-8") as f:
-      return f.read()
-  config_path = os.path.join(model_dir, "tokenizer_config.json")
-  template = None
-  if os.path.exists(config_path):
-    with open(config_path, encoding="utf-8") as f:
-      template = json.load(f).get("chat_template")
-  if isinstance(template, list):
-    template = {t.get("name"): t.get("template") for t in template}
-  if isinstance(template, dict):
-    template = template.get("default")
-  if not isinstance(template, str):
-    raise ValueError(f"{model_dir}: no chat template (neither chat_template.jinja nor a "
-                     "default 'chat_template' in tokenizer_config.json)")
-  return template
-
-
-def _special_tokens(model_dir: str) -> dict[str, str]:
-  tokens: dict[str, str] = {}
-  for file_name in ("special_tokens_map.json", "tokenizer_config.json"):
-    file_path = os.path.join(model_dir, file_name)
-    if os.path.exists(file_path):
-      with open(file_path, encoding="utf-8") as f:
-        data = json.load(f)
-      for key in _SPECIAL_TOKENS:
-        text = _token_text(data.get(key))
-        if isinstance(text, str):
-          tokens[key] = text
-  return tokens
-
-
-def apply_chat_template(model_dir: str, messages: Sequence[dict],
-                        add_generation_prompt: bool = True, **template_kwargs: Any) -> str:
-  """Renders `messages` with the tokenizer directory's chat template, as transformers does.
-
-  Args:
-    model_dir: directory with `tokenizer_config.json` (and optionally `chat_template.jinja`).
-    messages: `[{"role": ..., "content": ...}, ...]`; keys whose value is None are dropped.
-    add_generation_prompt: append the header that opens the assistant's turn.
-    **template_kwargs: extra template variables (`tools`, `documents`, `enable_thinking`...).
-
-  Returns:
-    The prompt text; special tokens appear as text (tokenise it without adding more).
-  """
-  if not messages:
-    raise ValueError("apply_chat_template: messages is empty")
-  chat = []
-  for i, message in enumerate(messages):
-    if not isinstance(message, dict):
-      raise ValueError(f"apply_chat_template: messages[{i}] must be a dict, got {message!r}")
-    chat.append({key: value for key, value in message.items() if value is not None})
-  variables = {**_special_tokens(model_dir), "tools": None, "documents": None,
-               **template_kwargs}
-  return _compile_template(chat_template_source(model_dir)).render(
-      messages=chat, add_generation_prompt=add_generation_prompt, **variables)
