@@ -9,33 +9,19 @@ import pyarrow.parquet as pq
 import pytest
 import seqio
 
-from pbsd_jax import vocab as vocab_lib
-from pbsd_jax.data import build
 from pbsd_jax.data import records
 from pbsd_jax.data import tasks
 from pbsd_jax.env import protocol
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-  out = str(tmp_path_factory.mktemp("kg"))
-  build.make_dataset(out, seed=0)
-  return out
+def vocab(kg):
+  return kg.vocab
 
 
 @pytest.fixture(scope="module")
-def vocab(data_dir):
-  return vocab_lib.sentencepiece_vocabulary(os.path.join(data_dir, "spm.model"))
-
-
-@pytest.fixture(scope="module")
-def registered(data_dir, vocab):
-  return tasks.register_tasks(data_dir, vocab)
-
-
-def _jsonl(path):
-  with open(path) as f:
-    return [json.loads(line) for line in f]
+def registered(kg):
+  return tasks.register_tasks(os.path.dirname(kg.paths["spm_model"]), kg.vocab)
 
 
 def _examples(name, split, limit=-1):
@@ -50,8 +36,8 @@ def test_all_four_synthetic_tasks_are_registered(registered):
   assert registered["pbsd_kg_rl_train"].num_input_examples("train") == 575
 
 
-def test_validation_task_yields_every_question_tokenised(registered, data_dir, vocab):
-  rows = _jsonl(os.path.join(data_dir, "rl_validation.jsonl"))
+def test_validation_task_yields_every_question_tokenised(registered, kg, vocab):
+  rows = kg.records("rl_validation")
   examples = _examples("pbsd_kg_rl_validation", "validation")
   assert len(examples) == len(rows) == 200
   for ex, row in zip(examples, rows):
@@ -62,15 +48,15 @@ def test_validation_task_yields_every_question_tokenised(registered, data_dir, v
     assert ex["hops"] == row["hops"] and ex["tier"] == b""
 
 
-def test_ood_task_carries_the_tiers(registered, data_dir):
-  rows = _jsonl(os.path.join(data_dir, "ood.jsonl"))
+def test_ood_task_carries_the_tiers(registered, kg):
+  rows = kg.records("ood")
   examples = _examples("pbsd_kg_ood", "test")
   assert [ex["tier"].decode() for ex in examples] == [r["tier"] for r in rows]
   assert {ex["tier"] for ex in examples} == {b"easy", b"medium", b"hard"}
 
 
-def test_sft_task_carries_actions_and_gold_doc_ids(registered, data_dir):
-  rows = _jsonl(os.path.join(data_dir, "sft.jsonl"))[:50]
+def test_sft_task_carries_actions_and_gold_doc_ids(registered, kg):
+  rows = kg.records("sft")[:50]
   examples = _examples("pbsd_kg_sft", "train", limit=50)
   for ex, row in zip(examples, rows):
     assert [a.decode() for a in ex["actions"]] == row["actions"]

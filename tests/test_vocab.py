@@ -1,7 +1,6 @@
 """Vocabularies: SentencePiece with single-token protocol tags; the HF tokenizers adapter."""
 
 import json
-import os
 
 import pytest
 import tensorflow as tf
@@ -9,27 +8,14 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from pbsd_jax import vocab as vocab_lib
-from pbsd_jax.data import build
 from pbsd_jax.env import protocol
 
 _ACTION = "<think> I need the employer of Velora Quint. </think><search> Velora Quint </search>"
 
 
 @pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-  out = str(tmp_path_factory.mktemp("kg"))
-  build.make_dataset(out, seed=0)
-  return out
-
-
-@pytest.fixture(scope="module")
-def sp_vocab(data_dir):
-  return vocab_lib.sentencepiece_vocabulary(os.path.join(data_dir, "spm.model"))
-
-
-def _jsonl(path):
-  with open(path) as f:
-    return [json.loads(line) for line in f]
+def sp_vocab(kg):
+  return kg.vocab
 
 
 def test_protocol_tags_are_single_distinct_sentencepiece_tokens(sp_vocab):
@@ -56,10 +42,9 @@ def test_sentencepiece_special_ids(sp_vocab):
   assert sp_vocab.vocab_size == 2048
 
 
-def test_sentencepiece_round_trips_actions_documents_and_unseen_text(sp_vocab, data_dir):
-  texts = [a for r in _jsonl(os.path.join(data_dir, "sft.jsonl"))[:300] for a in r["actions"]]
-  texts += [d["contents"].replace("\n", " ")
-            for d in _jsonl(os.path.join(data_dir, "corpus.jsonl"))]
+def test_sentencepiece_round_trips_actions_documents_and_unseen_text(sp_vocab, kg):
+  texts = [a for r in kg.records("sft")[:300] for a in r["actions"]]
+  texts += [d["contents"].replace("\n", " ") for d in kg.corpus]
   texts.append("Ünïcode & symbols {never} seen ~ 42")
   for text in texts:
     ids = sp_vocab.encode(text)
@@ -93,9 +78,9 @@ def test_too_small_vocab_size_is_rejected(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def hf_file(tmp_path_factory, data_dir):
+def hf_file(tmp_path_factory, kg):
   """A tiny byte-level BPE tokenizer trained on the corpus, with `<|endoftext|>` only."""
-  texts = [d["contents"] for d in _jsonl(os.path.join(data_dir, "corpus.jsonl"))]
+  texts = [d["contents"] for d in kg.corpus]
   tokenizer = tokenizers.Tokenizer(models.BPE())
   tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
   tokenizer.decoder = decoders.ByteLevel()
@@ -167,8 +152,8 @@ def test_hf_without_an_eos_token_fails_naming_the_file(tmp_path):
     vocab_lib.HfTokenizerVocabulary(path)
 
 
-def test_load_vocabulary_dispatches_on_the_file_type(data_dir, hf_file):
-  sp = vocab_lib.load_vocabulary(os.path.join(data_dir, "spm.model"))
+def test_load_vocabulary_dispatches_on_the_file_type(kg, hf_file):
+  sp = vocab_lib.load_vocabulary(kg.paths["spm_model"])
   hf = vocab_lib.load_vocabulary(hf_file)
   assert isinstance(hf, vocab_lib.HfTokenizerVocabulary)
   assert sp.encode(_ACTION) != hf.encode(_ACTION)
