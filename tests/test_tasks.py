@@ -3,6 +3,7 @@ naming the file, the line and the field."""
 
 import json
 import os
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -117,6 +118,15 @@ def test_malformed_parquet_names_file_row_and_field(tmp_path, vocab):
   pq.write_table(pa.Table.from_pylist([_GOOD, {**_GOOD, "golden_answers": []}]), path)
   with pytest.raises(ValueError, match=r"bad.parquet, row 2: field 'golden_answers'"):
     tasks.user_task("pbsd_test_bad", path, vocab)
+
+
+def test_iter_jsonl_skips_blank_lines_but_counts_them(tmp_path):
+  path = tmp_path / "rows.jsonl"
+  path.write_text('{"a": 1}\n\n   \n[2]\n')
+  assert list(records.iter_jsonl(str(path))) == [(1, {"a": 1}), (4, [2])]
+  path.write_text('{"a": 1}\n\n{"a": \n')
+  with pytest.raises(ValueError, match=f"^{re.escape(str(path))}, line 3: invalid JSON: "):
+    list(records.iter_jsonl(str(path)))
 
 
 def test_malformed_sft_record_names_the_field(tmp_path):

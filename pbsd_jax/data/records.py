@@ -4,13 +4,14 @@ A record needs `question` (a non-empty string) and `golden_answers` (a non-empty
 non-empty strings); our files add `hops`, `tier` and, for SFT, `actions`, `gold_doc_ids`,
 `detour_turns`. Every problem raises `ValueError("{file}, line {n}: field '{name}': ...")`
 (1-based lines; "row" for parquet) before any tf.data pipeline is built, so a bad file fails
-at start-up, not mid-run.
+at start-up, not mid-run. `iter_jsonl` is the line reader behind it, shared with the corpus
+reader (`env/host_bm25.py`); this module imports neither TensorFlow nor JAX.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 SEARCH_R1_FIELDS = ("question", "golden_answers")
 QUESTION_FIELDS = SEARCH_R1_FIELDS + ("hops", "tier")
@@ -82,6 +83,25 @@ def validate_record(record: Any, required: Sequence[str], where: str) -> dict[st
   return record
 
 
+def iter_jsonl(path: str) -> Iterator[tuple[int, Any]]:
+  """`(line_number, value)` for every non-blank line of a JSONL file, parsed.
+
+  Line numbers are 1-based and count the skipped blank lines, so they match an editor's.
+
+  Raises:
+    ValueError: `"{path}, line {n}: invalid JSON: {reason}"` for a line that does not parse.
+  """
+  with open(path, encoding="utf-8") as f:
+    for n, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        value = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{path}, line {n}: invalid JSON: {e.msg}") from None
+      yield n, value
+
+
 def _parquet_rows(path: str) -> list[Any]:
   import pyarrow.parquet as pq  # Only parquet users need pyarrow.
   return pq.read_table(path).to_pylist()
@@ -101,15 +121,8 @@ def read_records(path: str, required: Sequence[str] = SEARCH_R1_FIELDS) -> list[
     for n, row in enumerate(_parquet_rows(path), 1):
       records.append(validate_record(row, required, f"{path}, row {n}"))
   elif path.endswith((".jsonl", ".json")):
-    with open(path, encoding="utf-8") as f:
-      for n, line in enumerate(f, 1):
-        if not line.strip():
-          continue
-        try:
-          record = json.loads(line)
-        except json.JSONDecodeError as e:
-          raise ValueError(f"{path}, line {n}: invalid JSON: {e.msg}") from None
-        records.append(validate_record(record, required, f"{path}, line {n}"))
+    for n, record in iter_jsonl(path):
+      records.append(validate_record(record, required, f"{path}, line {n}"))
   else:
     raise ValueError(f"{path}: unknown file type (want .jsonl or .parquet)")
   if not records:

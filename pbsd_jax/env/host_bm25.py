@@ -16,6 +16,7 @@ import json
 import os
 from typing import TYPE_CHECKING, Sequence
 
+from pbsd_jax.data.records import iter_jsonl
 from pbsd_jax.env.retriever import Document, check_k
 
 if TYPE_CHECKING:
@@ -44,27 +45,20 @@ def read_corpus(path: str) -> tuple[list[str], list[str]]:
       non-string `contents`, or an `id` that is not a string or int.
   """
   ids, contents = [], []
-  with open(path, encoding="utf-8") as f:
-    for line_no, line in enumerate(f, start=1):
-      if not line.strip():
-        continue
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path}, line {line_no}: invalid JSON ({e.msg})") from None
-      if not isinstance(row, dict):
-        raise ValueError(f"{path}, line {line_no}: expected a JSON object, got "
-                         f"{type(row).__name__}")
-      text = row.get("contents")
-      if not isinstance(text, str):
-        raise ValueError(f"{path}, line {line_no}: field 'contents' must be a string, got "
-                         f"{type(text).__name__}")
-      doc_id = row.get("id", len(ids))
-      if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)):
-        raise ValueError(f"{path}, line {line_no}: field 'id' must be a string or int, got "
-                         f"{type(doc_id).__name__}")
-      ids.append(str(doc_id))
-      contents.append(text)
+  for line_no, row in iter_jsonl(path):
+    if not isinstance(row, dict):
+      raise ValueError(f"{path}, line {line_no}: expected a JSON object, got "
+                       f"{type(row).__name__}")
+    text = row.get("contents")
+    if not isinstance(text, str):
+      raise ValueError(f"{path}, line {line_no}: field 'contents' must be a string, got "
+                       f"{type(text).__name__}")
+    doc_id = row.get("id", len(ids))
+    if isinstance(doc_id, bool) or not isinstance(doc_id, (str, int)):
+      raise ValueError(f"{path}, line {line_no}: field 'id' must be a string or int, got "
+                       f"{type(doc_id).__name__}")
+    ids.append(str(doc_id))
+    contents.append(text)
   if not contents:
     raise ValueError(f"{path}: the corpus has no documents")
   return ids, contents
