@@ -35,7 +35,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pbsd_jax import likelihood, privileged, sharding
 from pbsd_jax.algorithms import AdvantageInputs
-from pbsd_jax.models import ModelConfig
+from pbsd_jax.models import ModelConfig, param_shapes
 
 Array = jax.Array
 SCHEDULES = ("constant", "cosine")
@@ -157,7 +157,7 @@ def train_state_shardings(config: ModelConfig, tx: optax.GradientTransformation,
                           rules=sharding.RULES) -> TrainState:
   """`NamedSharding`s of a `TrainState` for `config` under `mesh` (from the one rules table)."""
   params = sharding.param_shardings(config, mesh, rules)
-  opt_state = sharding.opt_state_shardings(tx, sharding.param_shapes(config), params, mesh)
+  opt_state = sharding.opt_state_shardings(tx, param_shapes(config), params, mesh)
   return TrainState(params=params, opt_state=opt_state, step=sharding.replicated(mesh),
                     rng=sharding.replicated(mesh))
 

@@ -21,15 +21,13 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from pbsd_jax.models import ModelConfig
-from pbsd_jax.models.transformer import Transformer, param_axes
+from pbsd_jax.models.transformer import param_axes, param_shapes
 
 MESH_AXES = ("data", "fsdp", "tensor")
 
@@ -143,12 +141,6 @@ def logical_to_sharding(spec_tree: Any, mesh: Mesh, rules=RULES, shapes: Any = N
   return jax.tree.map(
       lambda s, x: NamedSharding(mesh, logical_to_mesh_spec(s, mesh, rules, x.shape)),
       spec_tree, shapes, is_leaf=is_spec)
-
-
-def param_shapes(config: ModelConfig) -> Any:
-  """`jax.ShapeDtypeStruct` of every parameter of `config` (no memory allocated)."""
-  init = lambda rng: Transformer(config).init(rng, jnp.zeros((1, 1), jnp.int32))["params"]
-  return nn.meta.unbox(jax.eval_shape(init, jax.random.key(0)))
 
 
 def param_shardings(config: ModelConfig, mesh: Mesh, rules=RULES) -> Any:

@@ -29,7 +29,7 @@ import orbax.checkpoint as ocp
 
 from pbsd_jax.models import hf, safetensors_io
 from pbsd_jax.models.config import ModelConfig
-from pbsd_jax.models.transformer import init_params
+from pbsd_jax.models.transformer import param_shapes
 
 MODEL_CONFIG_FILE = "model_config.json"
 PARAMS_DIR = "params"
@@ -72,7 +72,7 @@ def restore_params_checkpoint(directory: str, shardings: Any = None) -> tuple[Mo
   """
   directory = os.path.abspath(directory)
   config = load_model_config(directory)
-  shapes = jax.eval_shape(lambda: init_params(config, jax.random.key(0)))
+  shapes = param_shapes(config)
   if shardings is None:
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     shardings = jax.tree_util.tree_map(lambda _: device, shapes)

@@ -77,6 +77,7 @@ def test_command_line_overrides_reach_the_algorithm():
     ("--config.mesh.data=3", "config.mesh"),
     ("--config.rollout.top_p=0.0", "config.rollout.top_p"),
     ("--config.data.prompt_width=4096", "config.data.prompt_width"),
+    ("--config.sft.batch_size=0", "config.sft.batch_size"),
 ])
 def test_bad_values_fail_at_start_up_naming_the_field(override, field):
   with pytest.raises(train.ConfigError, match=field.replace(".", r"\.")):
@@ -93,7 +94,7 @@ def test_batch_must_divide_over_the_data_shards():
 @pytest.mark.parametrize("name, billions", [("qwen2.5-0.5b", 0.494), ("qwen3-0.6b", 0.596),
                                             ("qwen3-8b", 8.19), ("llama3-8b", 8.03)])
 def test_model_sizes_have_the_public_checkpoints_parameter_counts(name, billions):
-  from pbsd_jax.sharding import param_shapes
+  from pbsd_jax.models import param_shapes
   config = train.build_model_config(load("pbsd", f"--config.model.name={name}"))
   count = sum(np.prod(x.shape) for x in jax.tree.leaves(param_shapes(config)))
   assert abs(count / 1e9 - billions) / billions < 0.01, count

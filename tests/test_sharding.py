@@ -15,7 +15,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 import multiprocess_worker as mw
 from pbsd_jax import learner, sharding
-from pbsd_jax.models.transformer import param_axes
+from pbsd_jax.models.transformer import param_axes, param_shapes
 
 
 def test_make_mesh_names_axes_and_fills_the_free_size():
@@ -70,7 +70,7 @@ def test_param_and_optimizer_state_shardings_follow_the_rules():
   assert params["lm_head"].spec == P("fsdp", "tensor")
   assert params["layers"]["mlp"]["down_kernel"].spec == P(None, "tensor", "fsdp")
   assert params["layers"]["attn"]["k_kernel"].spec == P(None, "fsdp", "tensor", None)
-  opt = sharding.opt_state_shardings(tx, sharding.param_shapes(config), params, mesh)
+  opt = sharding.opt_state_shardings(tx, param_shapes(config), params, mesh)
   adam = opt.inner_state[1][0]
   assert adam.mu["layers"]["mlp"]["gate_kernel"].spec == P(None, "fsdp", "tensor")
   assert adam.nu["embedding"].spec == P("tensor", "fsdp")
@@ -80,7 +80,7 @@ def test_param_and_optimizer_state_shardings_follow_the_rules():
 
 def _sharded_shapes(config, mesh, rules):
   """Abstract parameters carrying the shardings `rules` give them (nothing allocated)."""
-  shapes = sharding.param_shapes(config)
+  shapes = param_shapes(config)
   shardings = sharding.logical_to_sharding(param_axes(config), mesh, rules, shapes)
   return jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
                       shapes, shardings)

@@ -316,7 +316,7 @@ def init_params(config: ModelConfig, rng: Array) -> Any:
   N(0, 0.02^2)) drawn on the host with numpy from a seed derived from `rng`: XLA compiles the
   model's own init for seconds on a CPU, which every test and script would pay.
   """
-  shapes = nn.meta.unbox(jax.eval_shape(lambda r: _init_boxed(config, r), rng))
+  shapes = param_shapes(config)
   seed = np.asarray(jax.random.key_data(rng) if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
                     else rng).ravel().tolist()
   gen = np.random.default_rng(seed)
@@ -332,6 +332,15 @@ def init_params(config: ModelConfig, rng: Array) -> Any:
     return jnp.asarray(value, leaf.dtype)
 
   return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
+def param_shapes(config: ModelConfig) -> Any:
+  """`jax.ShapeDtypeStruct` of every parameter of `config` (nothing allocated or compiled).
+
+  Use this, not `jax.eval_shape(init_params)`: `init_params` draws on the host and cannot be
+  traced.
+  """
+  return nn.meta.unbox(jax.eval_shape(lambda r: _init_boxed(config, r), jax.random.key(0)))
 
 
 def param_axes(config: ModelConfig) -> Any:
