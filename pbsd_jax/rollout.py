@@ -438,7 +438,7 @@ def host_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array, prompt
     doc_tokens, doc_lengths = _pad_docs(docs, env.top_k)
     ep = _observe(sampler, env, params, ep, kind, jnp.int32(turn), doc_tokens, doc_lengths,
                   failed)
-  tokens, action = np.asarray(ep.decode.tokens), np.asarray(ep.decode.sampled)
+  tokens = np.asarray(ep.decode.tokens)
   turn_ids = np.asarray(ep.turn_ids)
   reward = np.zeros(tokens.shape[0], np.float32)
   for b, golds in enumerate(golden_answers):

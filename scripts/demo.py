@@ -26,7 +26,6 @@ def main(argv):
   from pbsd_jax import vocab as vocab_lib
   from pbsd_jax.batch import forced_batch, gold_batch, prompt_batch
   from pbsd_jax.data.build import make_dataset
-  from pbsd_jax.env import protocol
   from pbsd_jax.env.token_retriever import TokenBM25Retriever
   from pbsd_jax.models import ModelConfig, init_params
   from pbsd_jax.rollout import AgentEnv, host_rollout, ingraph_rollout

@@ -5,7 +5,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pbsd_jax import rollout as rollout_lib
 from pbsd_jax import vocab as vocab_lib
 from pbsd_jax.batch import forced_batch, gold_batch, prompt_batch
 from pbsd_jax.env import protocol
