@@ -1,7 +1,7 @@
 """Base run configuration: the paper's defaults (DESIGN.md §2) on the embedded task.
 
 Load with `config_flags.DEFINE_config_file('config')` and override from the command line, e.g.
-`--config=configs/pbsd.py --config.pbsd.delta=0.2 --config.model.name=qwen3-0.6b`.
+`--config=configs/pbsd.py --config.pbsd.delta=0.2 --config.rl.steps=50`.
 `pbsd_jax.run_config.validate` checks a config at start-up and names the field it rejects.
 Optional algorithm values use 0 for "off" (`grpo.dual_clip`, `grpo.norm_len`,
 `grpo.overlong_max_len`) so every field has a type the command line can parse.
@@ -15,8 +15,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.seed = 0
   c.algorithm = "grpo"
 
-  # Model: a size from configs/models.py, or an HF checkpoint directory to start from.
-  c.model = ml_collections.ConfigDict(dict(name="tiny", hf_dir="", param_dtype="float32",
+  # Model: a size of pbsd_jax/models/sizes.py.
+  c.model = ml_collections.ConfigDict(dict(name="tiny", param_dtype="float32",
                                            dtype="float32", remat=False))
 
   # Data: `dir` holds make_data.py output (made there if missing and `make_if_missing`).
@@ -44,8 +44,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.rl = ml_collections.ConfigDict(dict(steps=112, epochs=1, minibatches=1,
                                         micro_batch_size=0, chunk_size=0))
 
-  # SFT stage on oracle trajectories (0 steps: skip).
-  c.sft = ml_collections.ConfigDict(dict(steps=0, batch_size=32, lr=1e-3, warmup_steps=20))
+  # SFT stage on oracle trajectories (0 steps: skip; max_examples 0: the whole SFT split).
+  c.sft = ml_collections.ConfigDict(dict(steps=0, batch_size=32, lr=1e-3, warmup_steps=20,
+                                         max_examples=0))
 
   # Evaluation (paper: top-p 0.95).
   c.eval = ml_collections.ConfigDict(dict(every=0, num_examples=200, temperature=1.0,

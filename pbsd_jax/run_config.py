@@ -112,6 +112,12 @@ def validate(config, num_devices: int | None = None) -> None:
   for field in ("steps", "epochs", "minibatches"):
     if config.rl[field] < (0 if field == "steps" else 1):
       _fail(f"rl.{field}", config.rl[field], "out of range")
+  for field, low in (("steps", 0), ("batch_size", 1), ("max_examples", 0)):
+    if config.sft[field] < low:
+      _fail(f"sft.{field}", config.sft[field], f"must be >= {low}")
+  if config.sft.max_examples and config.sft.max_examples < config.sft.batch_size:
+    _fail("sft.max_examples", config.sft.max_examples,
+          f"is smaller than sft.batch_size={config.sft.batch_size}")
   batch = config.rollout.prompts_per_step * config.grpo.group_size
   if batch % config.rl.minibatches:
     _fail("rl.minibatches", config.rl.minibatches,

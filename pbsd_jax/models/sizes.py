@@ -2,6 +2,9 @@
 size takes vocab_size from the vocabulary; the accelerator shapes carry their own."""
 
 SIZES = {
+    # Smoke tests and resumption tests: compiles in seconds.
+    "micro": dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, mlp_dim=64,
+                  tie_embeddings=True),
     # CPU: trains in minutes on the embedded task.
     "tiny": dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=512,
                  tie_embeddings=True, rope_theta=10_000.0),

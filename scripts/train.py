@@ -1,0 +1,41 @@
+"""Train a search agent: SFT on oracle trajectories, then RL with the configured algorithm.
+
+  python scripts/train.py --config=configs/pbsd.py --workdir=workdir/pbsd \
+      --config.rl.steps=50 --config.pbsd.delta=0.2
+
+Re-running the same command resumes from the last checkpoint of the unfinished stage.
+"""
+
+import os
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/pbsd.py", "Run configuration.")
+_WORKDIR = flags.DEFINE_string("workdir", "workdir/run", "Checkpoints, metrics, data.")
+
+
+def main(argv):
+  del argv
+  import tqdm
+
+  from pbsd_jax import run_config, train
+
+  logging.set_verbosity(logging.WARNING)  # orbax logs every file it renames at INFO
+  config = _CONFIG.value
+  try:
+    run_config.validate(config)
+  except run_config.ConfigError as err:
+    raise app.UsageError(str(err)) from None
+  os.makedirs(_WORKDIR.value, exist_ok=True)
+  task = train.prepare_task(config, _WORKDIR.value)
+  model = run_config.build_model_config(config, task.vocab.vocab_size)
+  log = train.MetricLog(_WORKDIR.value)
+  state = train.sft_stage(config, task, model, _WORKDIR.value, log, progress=tqdm.tqdm)
+  train.rl_stage(config, task, model, state.params, _WORKDIR.value, log, progress=tqdm.tqdm)
+
+
+if __name__ == "__main__":
+  app.run(main)
