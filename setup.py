@@ -25,6 +25,8 @@ setuptools.setup(
         "tokenizers>=0.19",
         "bm25s>=0.2",
         "pyarrow>=14",  # parquet question files (pbsd_jax.data.records)
+        "tensorboardX>=2.6",  # TensorBoard event files without importing TensorFlow
+        "tqdm>=4.60",
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6"],
