@@ -25,6 +25,7 @@ setuptools.setup(
         "tokenizers>=0.19",
         "bm25s>=0.2",
         "pyarrow>=14",  # parquet question files (pbsd_jax.data.records)
+        "matplotlib>=3.7",  # report plots (pbsd_jax.report)
         "tensorboardX>=2.6",  # TensorBoard event files without importing TensorFlow
         "tqdm>=4.60",
     ],

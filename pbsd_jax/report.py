@@ -1,0 +1,249 @@
+"""The run report: PNG plots of the logged metrics and an HTML page of per-turn credit.
+
+`plot_metrics` reads the train loop's `metrics.jsonl` (one JSON object per line with `stage`,
+`step` and scalar metrics) and draws one PNG per metric against step, one line per stage.
+
+`credit_view` turns a rollout, its student/teacher log-probs and the outcome advantages into
+what the page shows -- per turn the evidence `s`, the deadbanded `s~` and the modulation weight
+`w` of DESIGN.md §2, computed by `pbsd_jax.credit` -- and `credit_html` writes the page: each
+action turn coloured by its evidence (blue: the teacher finds the turn likelier, red: less
+likely) and annotated with its weight; prompts and observations in grey. All text is escaped
+(documents may contain `<`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import logging
+import os
+import re
+from typing import Callable, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pbsd_jax import credit
+from pbsd_jax.data.records import iter_jsonl
+from pbsd_jax.rollout import Rollout
+
+DEFAULT_PLOT_KEYS = {
+    "accuracy": "accuracy",
+    "mean_turns": "mean interaction turns",
+    "mean_action_tokens": "generated (action) tokens per trajectory",
+    "credit/frac_evidence_pos": "fraction of turns with teacher > student",
+    "credit/mean_abs_evidence": "mean |evidence| (teacher-student gap)",
+}
+
+_log = logging.getLogger(__name__)
+
+
+def plot_file_name(key: str) -> str:
+  """The PNG name of a metric: `credit/mean_abs_evidence` -> `credit_mean_abs_evidence.png`."""
+  return re.sub(r"[^A-Za-z0-9_.-]+", "_", key) + ".png"
+
+
+def plot_metrics(metrics_jsonl_path: str, out_dir: str,
+                 keys: Mapping[str, str] | Sequence[str] = DEFAULT_PLOT_KEYS,
+                 stages: Sequence[str] | None = None) -> list[str]:
+  """One PNG per metric against step; returns the paths written, in the order of `keys`.
+
+  Args:
+    metrics_jsonl_path: the metrics file (rows with `stage`, `step` and metrics).
+    out_dir: where the PNGs go (created if missing), named by `plot_file_name`.
+    keys: metric names, or `{name: plot title}`. A metric no row has is skipped with a
+      logged note.
+    stages: plot only rows of these stages (default: every stage, one line each).
+
+  Raises:
+    ValueError: naming the file and line of a row without an integer `step`.
+  """
+  import matplotlib
+  matplotlib.use("Agg")  # files only, no display
+  from matplotlib import pyplot as plt
+
+  titles = dict(keys) if isinstance(keys, Mapping) else {k: k for k in keys}
+  series: dict[str, dict[str, tuple[list[int], list[float]]]] = {k: {} for k in titles}
+  for line, row in iter_jsonl(metrics_jsonl_path):
+    if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+      raise ValueError(f"{metrics_jsonl_path}, line {line}: expected an object with an "
+                       f"integer 'step'")
+    stage = str(row.get("stage", ""))
+    if stages is not None and stage not in stages:
+      continue
+    for key in titles:
+      if isinstance(row.get(key), (int, float)):
+        steps, values = series[key].setdefault(stage, ([], []))
+        steps.append(row["step"])
+        values.append(float(row[key]))
+  os.makedirs(out_dir, exist_ok=True)
+  paths = []
+  for key, title in titles.items():
+    if not series[key]:
+      _log.warning("plot_metrics: no row of %s has %r; no plot for it", metrics_jsonl_path, key)
+      continue
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for stage, (steps, values) in series[key].items():
+      ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=stage or None)
+    ax.set_xlabel("step")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if len(series[key]) > 1:
+      ax.legend()
+    fig.tight_layout()
+    path = os.path.join(out_dir, plot_file_name(key))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    paths.append(path)
+  return paths
+
+
+@dataclasses.dataclass(frozen=True)
+class TrajectoryCredit:
+  """One trajectory as the credit page shows it.
+
+  Attributes:
+    prompt: `i32[p]` the real prompt tokens.
+    segments: the trajectory in order as `(turn, ids)`: `turn` = k >= 0 for the action tokens
+      of turn k, -1 for an observation.
+    evidence: `f32[K]` turn evidence `s` (0 for turns that do not exist).
+    filtered: `f32[K]` deadbanded evidence `s~`.
+    weights: `f32[K]` modulation weights `w`.
+    reward: the outcome reward.
+    advantage: the group-normalised outcome advantage `A`.
+  """
+
+  prompt: np.ndarray
+  segments: tuple[tuple[int, np.ndarray], ...]
+  evidence: np.ndarray
+  filtered: np.ndarray
+  weights: np.ndarray
+  reward: float
+  advantage: float
+
+
+def _segments(tokens: np.ndarray, turn_ids: np.ndarray, action: np.ndarray, start: int,
+              end: int) -> tuple[tuple[int, np.ndarray], ...]:
+  """Maximal runs of `[start, end)` with one label: the turn id on actions, -1 elsewhere."""
+  labels = np.where(action[start:end], turn_ids[start:end], -1)
+  if labels.size == 0:
+    return ()
+  cuts = np.flatnonzero(np.diff(labels)) + 1
+  bounds = zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [labels.size]]))
+  return tuple((int(labels[a]), tokens[start + a:start + b]) for a, b in bounds)
+
+
+def credit_view(rollout: Rollout, logp: jax.Array, advantages: jax.Array, max_turns: int, *,
+                rows: Sequence[int] | None = None, delta: float = 0.1, clip: float = 0.1,
+                eps_pos: float = 0.001, eps_neg: float = 0.003, reduction: str = "mean",
+                form: str = "tanh") -> list[TrajectoryCredit]:
+  """Per-turn evidence, deadband and weights of a rollout's trajectories, for the page.
+
+  The math is `credit.turn_evidence`, `credit.deadband` and `credit.modulation_weights` on
+  the per-token log-ratio `logp[1] - logp[0]`, with the same settings as training.
+
+  Args:
+    rollout: B trajectories.
+    logp: `f32[2, B, T]` student (index 0) and teacher (index 1) log-probs, as
+      `likelihood.dual_logprobs` returns them.
+    advantages: `f32[B]` group-normalised outcome advantages `A_i`.
+    max_turns: K, the turn slots.
+    rows: which trajectories (default all).
+    delta, clip, eps_pos, eps_neg, reduction, form: the PBSD settings (`credit`).
+
+  Returns:
+    One `TrajectoryCredit` per row.
+  """
+  logp = jnp.asarray(logp)
+  if logp.ndim != 3 or logp.shape[0] != 2 or logp.shape[1:] != rollout.tokens.shape:
+    raise ValueError(f"logp must be [2, B, T] = [2, {', '.join(map(str, rollout.tokens.shape))}]"
+                     f", got {list(logp.shape)}")
+  if int(jnp.max(rollout.turn_ids)) >= max_turns:
+    raise ValueError(f"the rollout has turn ids up to {int(jnp.max(rollout.turn_ids))}, beyond "
+                     f"max_turns={max_turns}")
+  evidence = credit.turn_evidence(logp[1] - logp[0], rollout.turn_ids, max_turns, reduction)
+  filtered = credit.deadband(evidence, eps_pos, eps_neg)
+  weights = credit.modulation_weights(jnp.asarray(advantages, jnp.float32), filtered, delta,
+                                      clip, form)
+  host = jax.device_get(dict(tokens=rollout.tokens, turn_ids=rollout.turn_ids,
+                             action=rollout.action_mask, length=rollout.length,
+                             prompt_length=rollout.prompt_length, reward=rollout.reward,
+                             advantages=advantages, evidence=evidence, filtered=filtered,
+                             weights=weights))
+  p = rollout.prompt_width
+  rows = range(host["tokens"].shape[0]) if rows is None else rows
+  return [TrajectoryCredit(
+      prompt=host["tokens"][b, p - int(host["prompt_length"][b]):p],
+      segments=_segments(host["tokens"][b], host["turn_ids"][b], host["action"][b], p,
+                         int(host["length"][b])),
+      evidence=np.asarray(host["evidence"][b]), filtered=np.asarray(host["filtered"][b]),
+      weights=np.asarray(host["weights"][b]), reward=float(host["reward"][b]),
+      advantage=float(np.asarray(host["advantages"])[b])) for b in rows]
+
+
+_STYLE = """
+body { font-family: sans-serif; margin: 2em; max-width: 70em; }
+.trajectory { border: 1px solid #ccc; border-radius: 6px; padding: 0.8em; margin: 1.2em 0; }
+.text { white-space: pre-wrap; font-family: monospace; font-size: 0.9em; line-height: 1.6; }
+.context { color: #999; }
+.turn { border-radius: 3px; padding: 0 2px; }
+.note { font-family: sans-serif; font-size: 0.75em; color: #333; background: #eee;
+        border-radius: 3px; padding: 0 4px; margin: 0 4px; white-space: nowrap; }
+.legend span { padding: 0 6px; margin-right: 6px; border-radius: 3px; }
+"""
+
+
+def _colour(value: float, scale: float) -> str:
+  """Diverging background: blue for positive evidence, red for negative, alpha by size."""
+  alpha = 0.0 if scale <= 0 else min(abs(value) / scale, 1.0) * 0.6
+  rgb = "40, 100, 220" if value > 0 else "220, 50, 40"
+  return f"rgba({rgb}, {alpha:.3f})"
+
+
+def credit_html(trajectories: Sequence[TrajectoryCredit], decode: Callable[[Sequence[int]], str],
+                path: str, title: str = "PBSD turn-level credit") -> str:
+  """Writes the credit page for `trajectories` to `path` and returns `path`.
+
+  Each action turn is shaded by its evidence `s` (colour scale: the largest |s| shown) and
+  followed by a note `turn k: s=..., w=...` (`s~=0` marks a deadbanded turn); the prompt and
+  observations are grey. Every decoded text is HTML-escaped.
+
+  Args:
+    trajectories: from `credit_view`.
+    decode: token ids -> text.
+    path: the HTML file to write (its directory is created if missing).
+    title: the page title.
+  """
+  shown = [abs(float(t.evidence[k])) for t in trajectories
+           for k, _ in t.segments if k >= 0]
+  scale = max(shown, default=0.0)
+  esc = lambda ids: html.escape(decode([int(i) for i in ids]))
+  parts = [f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>{html.escape(title)}"
+           f"</title><style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1>",
+           "<p class='legend'>Action turns are shaded by their evidence "
+           "<i>s</i> = mean log-ratio teacher/student over the turn's tokens: "
+           f"<span style='background:{_colour(1, 1)}'>teacher higher</span>"
+           f"<span style='background:{_colour(-1, 1)}'>teacher lower</span>"
+           f"(full colour at |s| = {scale:.4g}); <i>w</i> is the weight on the outcome "
+           "advantage. Prompt and observations are grey.</p>"]
+  for i, traj in enumerate(trajectories):
+    parts.append(f"<div class='trajectory'><h3>trajectory {i}: reward {traj.reward:g}, "
+                 f"advantage {traj.advantage:+.4f}</h3><div class='text'>")
+    parts.append(f"<span class='context'>{esc(traj.prompt)}</span>")
+    for turn, ids in traj.segments:
+      if turn < 0:
+        parts.append(f"<span class='context'>{esc(ids)}</span>")
+        continue
+      s, s_kept, w = (float(traj.evidence[turn]), float(traj.filtered[turn]),
+                      float(traj.weights[turn]))
+      band = " (s~=0)" if s_kept == 0.0 else ""
+      parts.append(f"<span class='turn' style='background:{_colour(s, scale)}' "
+                   f"title='turn {turn}: s={s:+.5f}, w={w:.4f}'>{esc(ids)}</span>"
+                   f"<span class='note'>turn {turn}: s={s:+.4f}{band}, w={w:.4f}</span>")
+    parts.append("</div></div>")
+  parts.append("</body></html>\n")
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w", encoding="utf-8") as f:
+    f.write("".join(parts))
+  return path
