@@ -14,7 +14,7 @@ outcomes, so they are tested on hand-made rows.
 
 from __future__ import annotations
 
-import math
+import itertools
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import jax
@@ -79,6 +79,26 @@ def _check_pass_at_k_args(n: int, c: np.ndarray, k: int):
 def tier_name(record: Mapping[str, Any]) -> str:
   """A record's tier: its `tier` field, or `IN_DOMAIN` when absent or empty."""
   return record.get("tier") or IN_DOMAIN
+
+
+def head_per_tier(records: Sequence[Mapping], num: int | None) -> list:
+  """The first `num` records (all for 0 or None), shared evenly across tiers.
+
+  Records are taken round-robin over the tiers (`tier_name`), each tier in file order, so a
+  file listed tier by tier (like `ood.jsonl`: easy, medium, hard) keeps every tier in a
+  shorter evaluation. The result keeps the records' original order.
+  """
+  if not num or num >= len(records):
+    return list(records)
+  by_tier: dict[str, list[int]] = {}
+  for i, record in enumerate(records):
+    by_tier.setdefault(tier_name(record), []).append(i)
+  queues = list(by_tier.values())
+  chosen: list[int] = []
+  for rank in itertools.count():
+    chosen += [q[rank] for q in queues if rank < len(q)][:num - len(chosen)]
+    if len(chosen) == num:
+      return [records[i] for i in sorted(chosen)]
 
 
 def _tier_order(names: Iterable[str]) -> list[str]:
@@ -221,13 +241,21 @@ def evaluate_policy(model: ModelConfig, env: AgentEnv, params: Any, records: Seq
   }
 
 
+def stratify_tier(solve_count: int, num_samples: int) -> str:
+  """`"easy"` if solved in all n samples, `"hard"` if in none, else `"medium"`."""
+  if solve_count == num_samples:
+    return "easy"
+  return "hard" if solve_count == 0 else "medium"
+
+
 def stratify(solve_counts: Sequence[int], num_samples: int, per_tier: int,
              seed: int) -> dict[str, list[int]]:
   """The paper's BC(300) split: difficulty tiers by solve rate, then a balanced sample.
 
-  A question solved in all n samples is `easy`, in none `hard`, otherwise `medium`. From each
-  tier `per_tier` questions are drawn without replacement with `numpy`'s generator seeded by
-  `seed` (one generator, tiers drawn in the order easy, medium, hard).
+  A question's tier is `stratify_tier` of its solve count: Easy if solved in all n samples,
+  Hard if in none, otherwise Medium. From each tier `per_tier` questions are drawn without
+  replacement by `numpy`'s generator seeded with `seed` (one generator, tiers drawn in the
+  order easy, medium, hard).
 
   Args:
     solve_counts: `[Q]` correct samples per question.
@@ -250,9 +278,9 @@ def stratify(solve_counts: Sequence[int], num_samples: int, per_tier: int,
   if counts.size and (counts.min() < 0 or counts.max() > num_samples):
     raise ValueError(f"solve counts must be in [0, {num_samples}], got values in "
                      f"[{counts.min()}, {counts.max()}]")
-  members = {"easy": np.flatnonzero(counts == num_samples),
-             "medium": np.flatnonzero((counts > 0) & (counts < num_samples)),
-             "hard": np.flatnonzero(counts == 0)}
+  tiers = [stratify_tier(int(c), num_samples) for c in counts]
+  members = {t: np.asarray([i for i, ti in enumerate(tiers) if ti == t], np.int64)
+             for t in TIERS}
   sizes = {t: len(m) for t, m in members.items()}
   short = [t for t, size in sizes.items() if size < per_tier]
   if short:

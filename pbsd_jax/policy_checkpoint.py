@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 from pbsd_jax.models import ModelConfig
 
@@ -71,15 +72,15 @@ def restore_params(directory: str, step: int | None = None,
   """
   path, step = params_path(directory, step)
   sharding = sharding or jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  checkpointer = ocp.PyTreeCheckpointer()
-  metadata = checkpointer.metadata(path)
-  tree = getattr(metadata, "item_metadata", metadata)
-  tree = getattr(tree, "tree", tree)
+  # The handler reads the item's tree metadata alone (the step-level metadata file of a
+  # `Checkpointer` step lives one directory up).
+  metadata = ocp.PyTreeCheckpointHandler().metadata(epath.Path(path))
+  tree = getattr(metadata, "tree", metadata)
   if "params" not in tree:
     raise ValueError(f"{path} holds no 'params' (items: {sorted(tree)})")
   target = {"params": jax.tree.map(
       lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding), tree["params"])}
-  restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+  restored = ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(
       item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
       partial_restore=True))
   return restored["params"], step

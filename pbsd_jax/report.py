@@ -221,8 +221,9 @@ def credit_html(trajectories: Sequence[TrajectoryCredit], decode: Callable[[Sequ
   esc = lambda ids: html.escape(decode([int(i) for i in ids]))
   parts = [f"<!DOCTYPE html>\n<html><head><meta charset='utf-8'><title>{html.escape(title)}"
            f"</title><style>{_STYLE}</style></head><body><h1>{html.escape(title)}</h1>",
-           "<p class='legend'>Action turns are shaded by their evidence "
-           "<i>s</i> = mean log-ratio teacher/student over the turn's tokens: "
+           "<p class='legend'>Action turns are shaded by their evidence <i>s</i>, the "
+           "teacher-minus-student log-likelihood of the turn's tokens (reduced over the turn "
+           "as in training): "
            f"<span style='background:{_colour(1, 1)}'>teacher higher</span>"
            f"<span style='background:{_colour(-1, 1)}'>teacher lower</span>"
            f"(full colour at |s| = {scale:.4g}); <i>w</i> is the weight on the outcome "

@@ -93,6 +93,15 @@ def test_empty_tier_field_counts_as_in_domain():
   assert ev.tier_name({"tier": "medium"}) == "medium"
 
 
+def test_head_per_tier_keeps_every_tier_of_a_file_listed_tier_by_tier():
+  records = ([{"q": f"e{i}", "tier": "easy"} for i in range(4)]
+             + [{"q": f"m{i}", "tier": "medium"} for i in range(4)]
+             + [{"q": f"h{i}", "tier": "hard"} for i in range(2)])
+  assert [r["q"] for r in ev.head_per_tier(records, 7)] == ["e0", "e1", "e2", "m0", "m1", "h0",
+                                                            "h1"]
+  assert ev.head_per_tier(records, 0) == records and ev.head_per_tier(records, 99) == records
+
+
 def test_summarize_names_a_field_of_the_wrong_length():
   out = _outcomes(reward=[1, 0, 1])
   with pytest.raises(ValueError, match=r"outcomes\['reward'\] has shape \(3,\), expected \(4,\)"):
@@ -301,3 +310,18 @@ def test_restore_params_reads_a_params_directory_and_its_model_config(tmp_path):
   assert policy_checkpoint.find_model_config(str(tmp_path / "params")) == config
   with pytest.raises(FileNotFoundError, match="no finished checkpoint step"):
     policy_checkpoint.restore_params(str(tmp_path / "params"))
+
+
+@pytest.mark.parametrize("script", ["evaluate", "stratify"])
+def test_scripts_end_at_start_up_with_one_line_naming_a_missing_checkpoint(script, tmp_path):
+  import os
+  import subprocess
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  missing = str(tmp_path / "no_such_run" / "ckpt_rl")
+  done = subprocess.run([sys.executable, os.path.join(root, "scripts", f"{script}.py"),
+                         f"--ckpt_dir={missing}"], cwd=root, capture_output=True, text=True,
+                        timeout=120)
+  assert done.returncode != 0
+  assert done.stderr.strip().splitlines()[-1] == (
+      f"{script}: checkpoint directory {missing} does not exist")

@@ -1,0 +1,116 @@
+r"""Evaluate a policy checkpoint: greedy and top-p accuracy, pass@k, per-tier accuracy.
+
+  python scripts/evaluate.py --config=configs/pbsd.py --ckpt_dir=workdir/pbsd/ckpt_rl \
+      --splits=rl_validation,ood --samples=16
+
+`--ckpt_dir` is a train-loop checkpoint directory (`<workdir>/ckpt_sft` or `ckpt_rl`; the
+latest finished step unless `--step`) or a `scripts/convert_hf.py` output directory. The model
+config is its `model_config.json` (or the workdir's), else the one `--config` names. Data and
+environment settings come from `--config` (the run's configuration), the data from
+`--data_dir` or `config.data.dir` or `<workdir>/data`. Each split is a split name of the
+embedded task or a `.jsonl` / `.parquet` file of questions (e.g. the output of
+`scripts/stratify.py`, whose `tier` field gives per-tier accuracy). Results are written as JSON
+(`--out`) and printed as tables.
+"""
+
+import json
+import os
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/pbsd.py",
+                                          "Run configuration (data, environment, eval).")
+_CKPT_DIR = flags.DEFINE_string("ckpt_dir", None, "Checkpoint directory to evaluate.",
+                                required=True)
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+_WORKDIR = flags.DEFINE_string("workdir", None,
+                               "The run's workdir (default: the parent of --ckpt_dir).")
+_DATA_DIR = flags.DEFINE_string("data_dir", None, "Dataset directory (overrides config).")
+_SPLITS = flags.DEFINE_list("splits", ["rl_validation", "ood"],
+                            "Split names or question files to evaluate.")
+_SAMPLES = flags.DEFINE_integer("samples", None,
+                                "Top-p samples per question (default: the largest "
+                                "config.eval.pass_k).")
+_NUM_EXAMPLES = flags.DEFINE_integer("num_examples", None,
+                                     "First N questions of each split, shared evenly "
+                                     "across tiers (default: config.eval.num_examples; 0: "
+                                     "all).")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", 64, "Rollout rows per call.")
+_SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
+_OUT = flags.DEFINE_string("out", None, "JSON results (default: <workdir>/eval_<ckpt>.json).")
+
+PROMPT_TEMPLATES = ("default", "search_r1")
+
+
+def load_split(task, name: str) -> list[dict]:
+  """A split of the task by name, or the questions of a `.jsonl` / `.parquet` file."""
+  from pbsd_jax.data.records import read_records
+  if name in task.splits:
+    return task.splits[name]
+  if name.endswith((".jsonl", ".json", ".parquet")):
+    return read_records(name)
+  raise ValueError(f"--splits: {name!r} is neither a split ({sorted(task.splits)}) nor a "
+                   ".jsonl/.parquet file")
+
+
+def main(argv):
+  del argv
+  import jax
+  import tqdm
+
+  from pbsd_jax import evaluate, policy_checkpoint, run_config, train
+  from pbsd_jax.env import protocol
+
+  logging.set_verbosity(logging.WARNING)
+  config = _CONFIG.value
+  ckpt_dir = os.path.abspath(_CKPT_DIR.value)
+  workdir = _WORKDIR.value or os.path.dirname(ckpt_dir)
+  if _DATA_DIR.value:
+    config.data.dir = _DATA_DIR.value
+  samples = _SAMPLES.value or max(config.eval.pass_k)
+  num_examples = (config.eval.num_examples if _NUM_EXAMPLES.value is None
+                  else _NUM_EXAMPLES.value)
+  if config.data.prompt_template not in PROMPT_TEMPLATES:
+    raise app.UsageError(f"config.data.prompt_template={config.data.prompt_template!r}: "
+                         f"unknown; known: {list(PROMPT_TEMPLATES)}")
+  template = {"default": protocol.DEFAULT_PROMPT_TEMPLATE,
+              "search_r1": protocol.SEARCH_R1_PROMPT_TEMPLATE}[config.data.prompt_template]
+  try:
+    policy_checkpoint.params_path(ckpt_dir, _STEP.value)  # fail before reading any data
+    task = train.prepare_task(config, workdir)
+    splits = {name: evaluate.head_per_tier(load_split(task, name), num_examples)
+              for name in _SPLITS.value}
+    model = (policy_checkpoint.find_model_config(ckpt_dir)
+             or run_config.build_model_config(config, task.vocab.vocab_size))
+    params, step = policy_checkpoint.restore_params(ckpt_dir, _STEP.value)
+  except (FileNotFoundError, ValueError) as err:
+    raise SystemExit(f"evaluate: {err}") from None
+
+  results = {"checkpoint": ckpt_dir, "step": step, "samples_per_question": samples,
+             "temperature": config.eval.temperature, "top_p": config.eval.top_p, "splits": {}}
+  rng = jax.random.key(_SEED.value)
+  for i, (name, records) in enumerate(splits.items()):
+    got = evaluate.evaluate_policy(
+        model, task.env, params, records, task.encode, task.index, eos_id=task.vocab.eos_id,
+        batch_size=_BATCH_SIZE.value, rng=jax.random.fold_in(rng, i),
+        prompt_width=config.data.prompt_width, gold_width=config.data.gold_width,
+        samples_per_question=samples, temperature=config.eval.temperature,
+        top_p=config.eval.top_p, pass_k=tuple(config.eval.pass_k), template=template,
+        progress=lambda it, **kw: tqdm.tqdm(it, leave=False, **kw))
+    results["splits"][name] = got
+    print(f"\n{name} ({len(records)} questions), {os.path.basename(ckpt_dir)}"
+          f"{'' if step is None else f' step {step}'}")
+    print(evaluate.format_table(got))
+  suffix = "" if step is None else f"_step{step}"
+  out = _OUT.value or os.path.join(workdir, f"eval_{os.path.basename(ckpt_dir)}{suffix}.json")
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+  with open(out, "w") as f:
+    json.dump(results, f, indent=2)
+  print(f"\nwrote {out}")
+
+
+if __name__ == "__main__":
+  app.run(main)

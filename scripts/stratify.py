@@ -1,0 +1,110 @@
+r"""Difficulty tiers by a checkpoint's solve rate, and a balanced subset (the paper's BC(300)).
+
+  python scripts/stratify.py --config=configs/pbsd.py --ckpt_dir=workdir/pbsd/ckpt_sft \
+      --split=rl_validation --samples=8 --per_tier=100 --out=workdir/pbsd/bc300.jsonl
+
+Every question is sampled `--samples` times with the evaluation setting (`config.eval`:
+temperature 1, top-p 0.95); a question solved in all samples is Easy, in none Hard, otherwise
+Medium (`pbsd_jax.evaluate.stratify`). `--per_tier` questions per tier are drawn with
+`--seed` and written as JSONL -- each record as it was, with `tier` set and `solve_count` /
+`samples` added -- ready for `scripts/evaluate.py --splits=<out>`. Checkpoint, data and config
+flags as in `scripts/evaluate.py`.
+"""
+
+import json
+import os
+
+from absl import app
+from absl import flags
+from absl import logging
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", "configs/pbsd.py",
+                                          "Run configuration (data, environment, eval).")
+_CKPT_DIR = flags.DEFINE_string("ckpt_dir", None, "Checkpoint directory of the policy.",
+                                required=True)
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
+_WORKDIR = flags.DEFINE_string("workdir", None,
+                               "The run's workdir (default: the parent of --ckpt_dir).")
+_DATA_DIR = flags.DEFINE_string("data_dir", None, "Dataset directory (overrides config).")
+_SPLIT = flags.DEFINE_string("split", "rl_validation", "Split name or question file.")
+_SAMPLES = flags.DEFINE_integer("samples", 8, "Samples per question (N).")
+_PER_TIER = flags.DEFINE_integer("per_tier", 100, "Questions drawn per tier.")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", 64, "Rollout rows per call.")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the sampling and of the subset draw.")
+_OUT = flags.DEFINE_string("out", None,
+                           "Output JSONL (default: <workdir>/stratified_<split>.jsonl).")
+
+
+def main(argv):
+  del argv
+  import jax
+  import tqdm
+
+  from pbsd_jax import evaluate, policy_checkpoint, run_config, train
+  from pbsd_jax.data.records import read_records
+  from pbsd_jax.env import protocol
+  from pbsd_jax.sampling import Sampler
+
+  logging.set_verbosity(logging.WARNING)
+  config = _CONFIG.value
+  ckpt_dir = os.path.abspath(_CKPT_DIR.value)
+  workdir = _WORKDIR.value or os.path.dirname(ckpt_dir)
+  if _DATA_DIR.value:
+    config.data.dir = _DATA_DIR.value
+  if _SAMPLES.value < 1 or _PER_TIER.value < 1:
+    raise app.UsageError("--samples and --per_tier must be >= 1")
+  templates = {"default": protocol.DEFAULT_PROMPT_TEMPLATE,
+               "search_r1": protocol.SEARCH_R1_PROMPT_TEMPLATE}
+  if config.data.prompt_template not in templates:
+    raise app.UsageError(f"config.data.prompt_template={config.data.prompt_template!r}: "
+                         f"unknown; known: {sorted(templates)}")
+  try:
+    policy_checkpoint.params_path(ckpt_dir, _STEP.value)  # fail before reading any data
+    task = train.prepare_task(config, workdir)
+    if _SPLIT.value in task.splits:
+      records = task.splits[_SPLIT.value]
+    elif _SPLIT.value.endswith((".jsonl", ".json", ".parquet")):
+      records = read_records(_SPLIT.value)
+    else:
+      raise ValueError(f"--split={_SPLIT.value!r} is neither a split ({sorted(task.splits)}) "
+                       "nor a .jsonl/.parquet file")
+    model = (policy_checkpoint.find_model_config(ckpt_dir)
+             or run_config.build_model_config(config, task.vocab.vocab_size))
+    params, step = policy_checkpoint.restore_params(ckpt_dir, _STEP.value)
+  except (FileNotFoundError, ValueError) as err:
+    raise SystemExit(f"stratify: {err}") from None
+
+  sampler = Sampler(model, temperature=config.eval.temperature, top_p=config.eval.top_p,
+                    eos_id=task.vocab.eos_id)
+  result = evaluate.evaluate(
+      sampler, task.env, params, records, task.encode, task.index,
+      batch_size=_BATCH_SIZE.value, rng=jax.random.key(_SEED.value),
+      prompt_width=config.data.prompt_width, gold_width=config.data.gold_width,
+      samples_per_question=_SAMPLES.value, pass_k=(), template=templates[
+          config.data.prompt_template],
+      progress=lambda it, **kw: tqdm.tqdm(it, leave=False, **kw))
+  counts = result["solve_counts"]
+  try:
+    chosen = evaluate.stratify(counts, _SAMPLES.value, _PER_TIER.value, _SEED.value)
+  except ValueError as err:
+    raise SystemExit(f"stratify: {_SPLIT.value}: {err}") from None
+  out = _OUT.value or os.path.join(
+      workdir, f"stratified_{os.path.splitext(os.path.basename(_SPLIT.value))[0]}.jsonl")
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+  with open(out, "w") as f:
+    for tier, indices in chosen.items():
+      for i in indices:
+        row = {**records[i], "tier": tier, "solve_count": counts[i], "samples": _SAMPLES.value}
+        f.write(json.dumps(row) + "\n")
+  sizes = {t: sum(1 for c in counts if evaluate.stratify_tier(c, _SAMPLES.value) == t)
+           for t in evaluate.TIERS}
+  print(f"{_SPLIT.value}: {len(records)} questions x {_SAMPLES.value} samples from "
+        f"{os.path.basename(ckpt_dir)}{'' if step is None else f' step {step}'}: "
+        f"accuracy {100 * result['accuracy']:.1f}%, tiers {sizes}")
+  print(f"wrote {sum(len(v) for v in chosen.values())} questions ({_PER_TIER.value} per tier) "
+        f"to {out}")
+
+
+if __name__ == "__main__":
+  app.run(main)
