@@ -21,7 +21,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   # Data: `dir` holds make_data.py output (made there if missing and `make_if_missing`).
   c.data = ml_collections.ConfigDict(dict(dir="", make_if_missing=True, data_seed=0,
-                                          prompt_width=48, gold_width=12,
+                                          prompt_width=72, gold_width=12,
                                           prompt_template="default"))
 
   # Environment: `retriever` is "ingraph" (BM25Index, whole step in one jit), "host" (the

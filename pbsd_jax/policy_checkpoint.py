@@ -86,6 +86,29 @@ def restore_params(directory: str, step: int | None = None,
   return restored["params"], step
 
 
+def save_model_config(directory: str, config: ModelConfig) -> str:
+  """Writes `config` as `directory/model_config.json`; returns the path."""
+  os.makedirs(directory, exist_ok=True)
+  path = os.path.join(directory, MODEL_CONFIG_FILE)
+  with open(path, "w") as f:
+    json.dump(dataclasses.asdict(config), f, indent=2)
+  return path
+
+
+def load_model_config(path: str) -> ModelConfig:
+  """The `ModelConfig` in a `model_config.json` file.
+
+  Raises:
+    ValueError: naming the file, for fields `ModelConfig` does not have.
+  """
+  with open(path) as f:
+    fields = json.load(f)
+  unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(ModelConfig)})
+  if unknown:
+    raise ValueError(f"{path}: unknown ModelConfig fields {unknown}")
+  return ModelConfig(**fields)
+
+
 def find_model_config(directory: str) -> ModelConfig | None:
   """`model_config.json` of `directory` or its parent as a `ModelConfig`; None if neither has one.
 
@@ -96,10 +119,5 @@ def find_model_config(directory: str) -> ModelConfig | None:
   for folder in (directory, os.path.dirname(directory)):
     path = os.path.join(folder, MODEL_CONFIG_FILE)
     if os.path.exists(path):
-      with open(path) as f:
-        fields = json.load(f)
-      unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(ModelConfig)})
-      if unknown:
-        raise ValueError(f"{path}: unknown ModelConfig fields {unknown}")
-      return ModelConfig(**fields)
+      return load_model_config(path)
   return None

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 
 from pbsd_jax import algorithms
+from pbsd_jax.env import protocol
 from pbsd_jax.models import ModelConfig
 from pbsd_jax.models.sizes import SIZES
 
@@ -83,6 +84,9 @@ def validate(config, num_devices: int | None = None) -> None:
   for field in ("param_dtype", "dtype"):
     if config.model[field] not in ("float32", "bfloat16", "float16"):
       _fail(f"model.{field}", config.model[field], "must be float32, bfloat16 or float16")
+  if config.data.prompt_template not in protocol.PROMPT_TEMPLATES:
+    _fail("data.prompt_template", config.data.prompt_template,
+          f"must be one of {sorted(protocol.PROMPT_TEMPLATES)}")
   if config.env.retriever not in RETRIEVERS:
     _fail("env.retriever", config.env.retriever, f"must be one of {RETRIEVERS}")
   if config.env.retriever == "http" and not config.env.url:

@@ -89,11 +89,6 @@ def prepare_task(config, workdir: str) -> Task:
   return Task(vocab, env, retriever, token_retriever.index, splits)
 
 
-def _template(config) -> str:
-  return {"default": protocol.DEFAULT_PROMPT_TEMPLATE,
-          "search_r1": protocol.SEARCH_R1_PROMPT_TEMPLATE}[config.data.prompt_template]
-
-
 def sft_sequences(task: Task, records: list[dict], config, model: ModelConfig,
                   chunk: int = 256) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Oracle trajectories replayed through the environment: `(tokens, mask, action_mask)`.
@@ -109,7 +104,8 @@ def sft_sequences(task: Task, records: list[dict], config, model: ModelConfig,
     rows = records[start:start + chunk]
     rows = rows + [rows[-1]] * (chunk - len(rows))  # one shape, one compile
     prompts, mask = prompt_batch([r["question"] for r in rows], task.encode,
-                                 config.data.prompt_width, _template(config))
+                                 config.data.prompt_width,
+                                 protocol.PROMPT_TEMPLATES[config.data.prompt_template])
     forced, lengths = forced_batch([r["actions"] for r in rows], task.encode, env.max_turns,
                                    env.max_action_tokens)
     gold = gold_batch([r["golden_answers"] for r in rows], task.encode, config.data.gold_width)
@@ -203,8 +199,8 @@ def rl_prompts(task: Task, config, step: int) -> tuple[list[dict], np.ndarray]:
 
 def rl_batch(task: Task, config, records: list[dict]) -> dict[str, np.ndarray]:
   """Student and teacher prompts and gold answer tokens for `records`."""
-  student = [task.encode(protocol.format_prompt(r["question"], _template(config)))
-             for r in records]
+  template = protocol.PROMPT_TEMPLATES[config.data.prompt_template]
+  student = [task.encode(protocol.format_prompt(r["question"], template)) for r in records]
   tokens, mask, teacher, teacher_mask = privileged.dual_prompts(
       student, [r["golden_answers"][0] for r in records], task.encode,
       config.data.prompt_width, pad_id=0)

@@ -17,7 +17,6 @@ writes a directory that `transformers.AutoModelForCausalLM.from_pretrained` load
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -27,12 +26,13 @@ from absl import app, flags
 import jax
 import orbax.checkpoint as ocp
 
+from pbsd_jax import policy_checkpoint
 from pbsd_jax.models import hf, safetensors_io
 from pbsd_jax.models.config import ModelConfig
 from pbsd_jax.models.transformer import param_shapes
 
-MODEL_CONFIG_FILE = "model_config.json"
-PARAMS_DIR = "params"
+MODEL_CONFIG_FILE = policy_checkpoint.MODEL_CONFIG_FILE
+PARAMS_DIR = policy_checkpoint.PARAMS_DIR
 ASSETS_DIR = "hf_assets"
 # Fields of the original config.json that an export carries over (token ids, context length).
 _CARRIED_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
@@ -46,20 +46,12 @@ def save_params_checkpoint(directory: str, config: ModelConfig, params: Any) -> 
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(os.path.join(directory, PARAMS_DIR), {"params": params})
   checkpointer.wait_until_finished()
-  with open(os.path.join(directory, MODEL_CONFIG_FILE), "w") as f:
-    json.dump(dataclasses.asdict(config), f, indent=2)
+  policy_checkpoint.save_model_config(directory, config)
 
 
 def load_model_config(directory: str) -> ModelConfig:
   """The `ModelConfig` stored in `directory/model_config.json`; unknown fields are an error."""
-  path = os.path.join(directory, MODEL_CONFIG_FILE)
-  with open(path) as f:
-    fields = json.load(f)
-  known = {field.name for field in dataclasses.fields(ModelConfig)}
-  unknown = sorted(set(fields) - known)
-  if unknown:
-    raise ValueError(f"{path}: unknown ModelConfig fields {unknown}")
-  return ModelConfig(**fields)
+  return policy_checkpoint.load_model_config(os.path.join(directory, MODEL_CONFIG_FILE))
 
 
 def restore_params_checkpoint(directory: str, shardings: Any = None) -> tuple[ModelConfig, Any]:

@@ -1,10 +1,8 @@
-"""The embedded demo (`make demo`).
+"""The embedded demo (`make demo`): synthetic data -> SFT -> evaluation -> PBSD RL ->
+evaluation -> report, on 2 CPU cores.
 
-Until the training stage lands (issue "Training: ... the end-to-end demo"), this runs the part
-of the pipeline that exists, end to end, and says so: it generates the synthetic knowledge
-graph and its vocabulary, builds the in-graph BM25 retriever, replays oracle trajectories
-through the environment (checking they score), and samples multi-turn rollouts from a random
-tiny transformer in one jitted program.
+Its last line is `demo: validation accuracy SFT=..% PBSD=..% (+.. points)` (greedy decoding
+on the 200 validation questions). Re-running resumes from the workdir's checkpoints.
 """
 
 import json
@@ -13,65 +11,76 @@ import time
 
 from absl import app
 from absl import flags
+from absl import logging
+from ml_collections import config_flags
 
-_WORKDIR = flags.DEFINE_string("workdir", "workdir/demo", "Where data and reports go.")
-_SEED = flags.DEFINE_integer("seed", 0, "Seed of the world, the model and the sampler.")
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", os.path.join(os.path.dirname(__file__), "..", "configs", "demo.py"),
+    "Run configuration.")
+_WORKDIR = flags.DEFINE_string("workdir", "workdir/demo", "Data, checkpoints and the report.")
 
 
 def main(argv):
   del argv
+  logging.set_verbosity(logging.WARNING)
   import jax
-  import jax.numpy as jnp
+  import tqdm
 
-  from pbsd_jax import vocab as vocab_lib
-  from pbsd_jax.batch import forced_batch, gold_batch, prompt_batch
-  from pbsd_jax.data.build import make_dataset
-  from pbsd_jax.env.token_retriever import TokenBM25Retriever
-  from pbsd_jax.models import ModelConfig, init_params
-  from pbsd_jax.rollout import AgentEnv, host_rollout, ingraph_rollout
+  from pbsd_jax import evaluate, likelihood, policy_checkpoint, privileged, report
+  from pbsd_jax import run_config, train
+  from pbsd_jax.algorithms import group_advantages
   from pbsd_jax.sampling import Sampler
 
   start = time.time()
-  paths = make_dataset(os.path.join(_WORKDIR.value, "data"), seed=_SEED.value)
-  vocab = vocab_lib.sentencepiece_vocabulary(paths["spm_model"])
-  encode = lambda s: list(vocab.encode(s))
-  decode = lambda ids: vocab.decode([int(i) for i in ids])
-  with open(paths["corpus"]) as f:
-    corpus = [json.loads(line) for line in f]
-  retriever = TokenBM25Retriever.from_texts(
-      [d["contents"] for d in corpus], encode, vocab.vocab_size, ids=[d["id"] for d in corpus],
-      ignore_ids=vocab_lib.non_term_ids(vocab))
-  print(f"data: {len(corpus)} documents, vocabulary {vocab.vocab_size} "
-        f"({time.time() - start:.1f}s) in {paths['corpus']}")
+  config, workdir = _CONFIG.value, _WORKDIR.value
+  try:
+    run_config.validate(config)
+  except run_config.ConfigError as err:
+    raise app.UsageError(str(err)) from None
+  os.makedirs(workdir, exist_ok=True)
+  task = train.prepare_task(config, workdir)
+  model = run_config.build_model_config(config, task.vocab.vocab_size)
+  policy_checkpoint.save_model_config(workdir, model)
+  log = train.MetricLog(workdir)
 
-  with open(paths["sft"]) as f:
-    sft = [json.loads(line) for line in f][:16]
-  env = AgentEnv.from_vocab(vocab, buffer_size=720, max_turns=6, max_action_tokens=40,
-                            max_observation_tokens=160, max_query_tokens=16, top_k=3,
-                            ignore_ids=vocab_lib.whitespace_ids(vocab))
-  config = ModelConfig(vocab_size=vocab.vocab_size, hidden_size=64, num_layers=2, num_heads=4,
-                       num_kv_heads=2, mlp_dim=128)
-  params = init_params(config, jax.random.key(_SEED.value))
-  sampler = Sampler(config, eos_id=vocab.eos_id)
-  tokens, mask = prompt_batch([r["question"] for r in sft], encode, 40)
-  forced, lengths = forced_batch([r["actions"] for r in sft], encode, env.max_turns,
-                                 env.max_action_tokens)
-  golds = [r["golden_answers"] for r in sft]
-  oracle = host_rollout(sampler, env, params, tokens, mask, jax.random.key(0), retriever,
-                        encode, decode, golds, None, jnp.asarray(forced), jnp.asarray(lengths))
-  print(f"oracle replay through the environment: accuracy {float(oracle.reward.mean()):.0%}, "
-        f"mean turns {float(oracle.num_turns.mean()):.1f}")
+  def validation_accuracy(params, name):
+    result = evaluate.evaluate(
+        Sampler(model, temperature=0.0, eos_id=task.vocab.eos_id), task.env, params,
+        task.splits["rl_validation"][:config.eval.num_examples], task.encode, task.index,
+        batch_size=50, rng=jax.random.key(config.seed), prompt_width=config.data.prompt_width,
+        gold_width=config.data.gold_width, progress=tqdm.tqdm)
+    with open(os.path.join(workdir, f"eval_{name}.json"), "w") as f:
+      json.dump(result, f, indent=1, default=float)
+    print(f"{name}: greedy validation accuracy {result['accuracy']:.1%}, "
+          f"mean turns {result['mean_turns']:.2f}, "
+          f"generated tokens {result['mean_action_tokens']:.1f}", flush=True)
+    return result["accuracy"]
 
-  gold = gold_batch(golds, encode, 12)
-  t = time.time()
-  out = jax.block_until_ready(ingraph_rollout(sampler, env, params, tokens, mask,
-                                              jax.random.key(1), retriever.index,
-                                              jnp.asarray(gold)))
-  print(f"random tiny model, in-graph rollout (one jit, compile included, {time.time() - t:.1f}s):"
-        f" accuracy {float(out.reward.mean()):.0%}, mean turns {float(out.num_turns.mean()):.1f},"
-        f" mean action tokens {float(out.num_action_tokens.mean()):.0f}")
-  print("demo: SFT and PBSD RL stages are not built yet (training issue); ran data + "
-        "environment + sampler only.")
+  sft_state = train.sft_stage(config, task, model, workdir, log, progress=tqdm.tqdm)
+  sft_acc = validation_accuracy(sft_state.params, "sft")
+  algo = run_config.build_algorithm(config)
+
+  def credit_page(step, state, rollout, batch):
+    """The last RL step's rollout, each turn coloured by its evidence (post-update params)."""
+    if step != config.rl.steps:
+      return
+    teacher = privileged.teacher_sequence(rollout.tokens, rollout.mask, batch["teacher_prompt"],
+                                          batch["teacher_prompt_mask"])
+    logp = likelihood.dual_logprobs(state.params, model, rollout.tokens, rollout.mask, *teacher)
+    view = report.credit_view(
+        rollout, logp, group_advantages(rollout.reward, algo.group_size), task.env.max_turns,
+        rows=range(min(8, rollout.tokens.shape[0])), delta=algo.delta, clip=algo.clip,
+        eps_pos=algo.eps_pos, eps_neg=algo.eps_neg, reduction=algo.reduction, form=algo.form)
+    report.credit_html(view, task.decode, os.path.join(workdir, "credit.html"))
+
+  rl_state = train.rl_stage(config, task, model, sft_state.params, workdir, log,
+                            progress=tqdm.tqdm, on_step=credit_page)
+  rl_acc = validation_accuracy(rl_state.params, "pbsd")
+  plots = report.plot_metrics(log.path, workdir)
+  print(f"demo: finished in {(time.time() - start) / 60:.1f} min; report: {len(plots)} plots "
+        f"and credit.html in {workdir}")
+  print(f"demo: validation accuracy SFT={sft_acc:.1%} PBSD={rl_acc:.1%} "
+        f"({(rl_acc - sft_acc) * 100:+.1f} points)")
 
 
 if __name__ == "__main__":

@@ -42,7 +42,6 @@ _BATCH_SIZE = flags.DEFINE_integer("batch_size", 64, "Rollout rows per call.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _OUT = flags.DEFINE_string("out", None, "JSON results (default: <workdir>/eval_<ckpt>.json).")
 
-PROMPT_TEMPLATES = ("default", "search_r1")
 
 
 def load_split(task, name: str) -> list[dict]:
@@ -73,11 +72,10 @@ def main(argv):
   samples = _SAMPLES.value or max(config.eval.pass_k)
   num_examples = (config.eval.num_examples if _NUM_EXAMPLES.value is None
                   else _NUM_EXAMPLES.value)
-  if config.data.prompt_template not in PROMPT_TEMPLATES:
+  if config.data.prompt_template not in protocol.PROMPT_TEMPLATES:
     raise app.UsageError(f"config.data.prompt_template={config.data.prompt_template!r}: "
-                         f"unknown; known: {list(PROMPT_TEMPLATES)}")
-  template = {"default": protocol.DEFAULT_PROMPT_TEMPLATE,
-              "search_r1": protocol.SEARCH_R1_PROMPT_TEMPLATE}[config.data.prompt_template]
+                         f"unknown; known: {sorted(protocol.PROMPT_TEMPLATES)}")
+  template = protocol.PROMPT_TEMPLATES[config.data.prompt_template]
   try:
     policy_checkpoint.params_path(ckpt_dir, _STEP.value)  # fail before reading any data
     task = train.prepare_task(config, workdir)

@@ -54,8 +54,7 @@ def main(argv):
     config.data.dir = _DATA_DIR.value
   if _SAMPLES.value < 1 or _PER_TIER.value < 1:
     raise app.UsageError("--samples and --per_tier must be >= 1")
-  templates = {"default": protocol.DEFAULT_PROMPT_TEMPLATE,
-               "search_r1": protocol.SEARCH_R1_PROMPT_TEMPLATE}
+  templates = protocol.PROMPT_TEMPLATES
   if config.data.prompt_template not in templates:
     raise app.UsageError(f"config.data.prompt_template={config.data.prompt_template!r}: "
                          f"unknown; known: {sorted(templates)}")

@@ -21,7 +21,7 @@ def main(argv):
   del argv
   import tqdm
 
-  from pbsd_jax import run_config, train
+  from pbsd_jax import policy_checkpoint, run_config, train
 
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it renames at INFO
   config = _CONFIG.value
@@ -32,6 +32,7 @@ def main(argv):
   os.makedirs(_WORKDIR.value, exist_ok=True)
   task = train.prepare_task(config, _WORKDIR.value)
   model = run_config.build_model_config(config, task.vocab.vocab_size)
+  policy_checkpoint.save_model_config(_WORKDIR.value, model)
   log = train.MetricLog(_WORKDIR.value)
   state = train.sft_stage(config, task, model, _WORKDIR.value, log, progress=tqdm.tqdm)
   train.rl_stage(config, task, model, state.params, _WORKDIR.value, log, progress=tqdm.tqdm)

@@ -35,3 +35,6 @@ SEARCH_R1_PROMPT_TEMPLATE = (
 def format_prompt(question: str, template: str = DEFAULT_PROMPT_TEMPLATE) -> str:
   """The student prompt for `question` (the teacher's adds a privileged block to it)."""
   return template.format(question=question)
+
+# The templates a run config can name (`config.data.prompt_template`).
+PROMPT_TEMPLATES = {"default": DEFAULT_PROMPT_TEMPLATE, "search_r1": SEARCH_R1_PROMPT_TEMPLATE}
