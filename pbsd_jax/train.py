@@ -55,6 +55,16 @@ class Task:
   def decode(self, ids) -> str:
     return self.vocab.decode([int(i) for i in ids])
 
+  def records(self, name: str) -> list[dict]:
+    """A split by name, or the questions of a Search-R1 `.jsonl` / `.parquet` file."""
+    from pbsd_jax.data.records import read_records
+    if name in self.splits:
+      return self.splits[name]
+    if name.endswith((".jsonl", ".json", ".parquet")):
+      return read_records(name)
+    raise ValueError(f"{name!r} is neither a split ({sorted(self.splits)}) nor a "
+                     ".jsonl/.parquet file")
+
 
 def prepare_task(config, workdir: str) -> Task:
   """Loads (or makes) the dataset named by `config.data` and builds the environment."""

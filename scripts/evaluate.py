@@ -44,17 +44,6 @@ _OUT = flags.DEFINE_string("out", None, "JSON results (default: <workdir>/eval_<
 
 
 
-def load_split(task, name: str) -> list[dict]:
-  """A split of the task by name, or the questions of a `.jsonl` / `.parquet` file."""
-  from pbsd_jax.data.records import read_records
-  if name in task.splits:
-    return task.splits[name]
-  if name.endswith((".jsonl", ".json", ".parquet")):
-    return read_records(name)
-  raise ValueError(f"--splits: {name!r} is neither a split ({sorted(task.splits)}) nor a "
-                   ".jsonl/.parquet file")
-
-
 def main(argv):
   del argv
   import jax
@@ -72,14 +61,15 @@ def main(argv):
   samples = _SAMPLES.value or max(config.eval.pass_k)
   num_examples = (config.eval.num_examples if _NUM_EXAMPLES.value is None
                   else _NUM_EXAMPLES.value)
-  if config.data.prompt_template not in protocol.PROMPT_TEMPLATES:
-    raise app.UsageError(f"config.data.prompt_template={config.data.prompt_template!r}: "
-                         f"unknown; known: {sorted(protocol.PROMPT_TEMPLATES)}")
+  try:
+    run_config.validate(config)
+  except run_config.ConfigError as err:
+    raise app.UsageError(str(err)) from None
   template = protocol.PROMPT_TEMPLATES[config.data.prompt_template]
   try:
     policy_checkpoint.params_path(ckpt_dir, _STEP.value)  # fail before reading any data
     task = train.prepare_task(config, workdir)
-    splits = {name: evaluate.head_per_tier(load_split(task, name), num_examples)
+    splits = {name: evaluate.head_per_tier(task.records(name), num_examples)
               for name in _SPLITS.value}
     model = (policy_checkpoint.find_model_config(ckpt_dir)
              or run_config.build_model_config(config, task.vocab.vocab_size))

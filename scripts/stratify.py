@@ -42,7 +42,6 @@ def main(argv):
   import tqdm
 
   from pbsd_jax import evaluate, policy_checkpoint, run_config, train
-  from pbsd_jax.data.records import read_records
   from pbsd_jax.env import protocol
   from pbsd_jax.sampling import Sampler
 
@@ -54,20 +53,14 @@ def main(argv):
     config.data.dir = _DATA_DIR.value
   if _SAMPLES.value < 1 or _PER_TIER.value < 1:
     raise app.UsageError("--samples and --per_tier must be >= 1")
-  templates = protocol.PROMPT_TEMPLATES
-  if config.data.prompt_template not in templates:
-    raise app.UsageError(f"config.data.prompt_template={config.data.prompt_template!r}: "
-                         f"unknown; known: {sorted(templates)}")
+  try:
+    run_config.validate(config)
+  except run_config.ConfigError as err:
+    raise app.UsageError(str(err)) from None
   try:
     policy_checkpoint.params_path(ckpt_dir, _STEP.value)  # fail before reading any data
     task = train.prepare_task(config, workdir)
-    if _SPLIT.value in task.splits:
-      records = task.splits[_SPLIT.value]
-    elif _SPLIT.value.endswith((".jsonl", ".json", ".parquet")):
-      records = read_records(_SPLIT.value)
-    else:
-      raise ValueError(f"--split={_SPLIT.value!r} is neither a split ({sorted(task.splits)}) "
-                       "nor a .jsonl/.parquet file")
+    records = task.records(_SPLIT.value)
     model = (policy_checkpoint.find_model_config(ckpt_dir)
              or run_config.build_model_config(config, task.vocab.vocab_size))
     params, step = policy_checkpoint.restore_params(ckpt_dir, _STEP.value)
@@ -80,8 +73,7 @@ def main(argv):
       sampler, task.env, params, records, task.encode, task.index,
       batch_size=_BATCH_SIZE.value, rng=jax.random.key(_SEED.value),
       prompt_width=config.data.prompt_width, gold_width=config.data.gold_width,
-      samples_per_question=_SAMPLES.value, pass_k=(), template=templates[
-          config.data.prompt_template],
+      samples_per_question=_SAMPLES.value, pass_k=(), template=protocol.PROMPT_TEMPLATES[config.data.prompt_template],
       progress=lambda it, **kw: tqdm.tqdm(it, leave=False, **kw))
   counts = result["solve_counts"]
   try:
