@@ -100,3 +100,31 @@ def test_a_bad_config_ends_the_run_at_start_up_with_one_line(kg, tmp_path):
   assert proc.returncode != 0
   assert "config.pbsd.delta" in out
   assert not os.path.exists(os.path.join(str(tmp_path), "ckpt_sft"))
+
+
+def test_one_jitted_call_runs_rollout_reward_evidence_credit_and_update(kg):
+  import jax
+  import jax.numpy as jnp
+
+  from pbsd_jax import learner, run_config, train
+  from test_configs import load
+
+  config = load("pbsd", *SMALL)
+  task = train.prepare_task(config, os.path.dirname(kg.paths["spm_model"]))
+  model = run_config.build_model_config(config, task.vocab.vocab_size)
+  algo = run_config.build_algorithm(config)
+  tx = train._optimizer(config, config.optim.lr, 0, 2)
+  sampler = train.Sampler(model, eos_id=task.vocab.eos_id)
+  iteration = train.make_rl_iteration(sampler, task.env, model, tx, algo, train._plan(config))
+  state = learner.init_train_state(train.init_params(model, jax.random.key(0)), tx,
+                                   jax.random.key(1))
+  records, group_ids = train.rl_prompts(task, config, 0)
+  batch = train.rl_batch(task, config, records)
+  args = (state, task.index, batch, jnp.asarray(group_ids, jnp.int32))
+  lowered = iteration.lower(*args)
+  assert "while" in lowered.as_text()  # the turn loop is inside the one program
+  new_state, rollout, metrics = iteration(*args)
+  assert int(new_state.step) == 1 and rollout.tokens.shape == (4, config.env.buffer_size)
+  np.testing.assert_array_equal(rollout.group_ids, [0, 0, 1, 1])
+  assert float(metrics["accuracy"]) == float(np.mean(rollout.reward))
+  assert "credit/frac_evidence_pos" in metrics and np.isfinite(float(metrics["grad_norm"]))
