@@ -99,6 +99,22 @@ def prepare_task(config, workdir: str) -> Task:
   return Task(vocab, env, retriever, token_retriever.index, splits)
 
 
+def load_policy(config, ckpt_dir: str, step: int | None, workdir: str
+                ) -> tuple[Task, ModelConfig, Any, int | None]:
+  """The task and a checkpoint's policy, for evaluation: `(task, model, params, step)`.
+
+  A missing checkpoint fails before any data is read. The model config is the checkpoint's
+  `model_config.json` when there is one, else `config.model`.
+  """
+  from pbsd_jax import policy_checkpoint
+  policy_checkpoint.params_path(ckpt_dir, step)
+  task = prepare_task(config, workdir)
+  model = (policy_checkpoint.find_model_config(ckpt_dir)
+           or run_config.build_model_config(config, task.vocab.vocab_size))
+  params, step = policy_checkpoint.restore_params(ckpt_dir, step)
+  return task, model, params, step
+
+
 def sft_sequences(task: Task, records: list[dict], config, model: ModelConfig,
                   chunk: int = 256) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Oracle trajectories replayed through the environment: `(tokens, mask, action_mask)`.

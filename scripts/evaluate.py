@@ -49,7 +49,7 @@ def main(argv):
   import jax
   import tqdm
 
-  from pbsd_jax import evaluate, policy_checkpoint, run_config, train
+  from pbsd_jax import evaluate, run_config, train
   from pbsd_jax.env import protocol
 
   logging.set_verbosity(logging.WARNING)
@@ -67,13 +67,9 @@ def main(argv):
     raise app.UsageError(str(err)) from None
   template = protocol.PROMPT_TEMPLATES[config.data.prompt_template]
   try:
-    policy_checkpoint.params_path(ckpt_dir, _STEP.value)  # fail before reading any data
-    task = train.prepare_task(config, workdir)
+    task, model, params, step = train.load_policy(config, ckpt_dir, _STEP.value, workdir)
     splits = {name: evaluate.head_per_tier(task.records(name), num_examples)
               for name in _SPLITS.value}
-    model = (policy_checkpoint.find_model_config(ckpt_dir)
-             or run_config.build_model_config(config, task.vocab.vocab_size))
-    params, step = policy_checkpoint.restore_params(ckpt_dir, _STEP.value)
   except (FileNotFoundError, ValueError) as err:
     raise SystemExit(f"evaluate: {err}") from None
 

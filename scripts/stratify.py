@@ -41,7 +41,7 @@ def main(argv):
   import jax
   import tqdm
 
-  from pbsd_jax import evaluate, policy_checkpoint, run_config, train
+  from pbsd_jax import evaluate, run_config, train
   from pbsd_jax.env import protocol
   from pbsd_jax.sampling import Sampler
 
@@ -58,12 +58,8 @@ def main(argv):
   except run_config.ConfigError as err:
     raise app.UsageError(str(err)) from None
   try:
-    policy_checkpoint.params_path(ckpt_dir, _STEP.value)  # fail before reading any data
-    task = train.prepare_task(config, workdir)
+    task, model, params, step = train.load_policy(config, ckpt_dir, _STEP.value, workdir)
     records = task.records(_SPLIT.value)
-    model = (policy_checkpoint.find_model_config(ckpt_dir)
-             or run_config.build_model_config(config, task.vocab.vocab_size))
-    params, step = policy_checkpoint.restore_params(ckpt_dir, _STEP.value)
   except (FileNotFoundError, ValueError) as err:
     raise SystemExit(f"stratify: {err}") from None
 
@@ -73,7 +69,8 @@ def main(argv):
       sampler, task.env, params, records, task.encode, task.index,
       batch_size=_BATCH_SIZE.value, rng=jax.random.key(_SEED.value),
       prompt_width=config.data.prompt_width, gold_width=config.data.gold_width,
-      samples_per_question=_SAMPLES.value, pass_k=(), template=protocol.PROMPT_TEMPLATES[config.data.prompt_template],
+      samples_per_question=_SAMPLES.value, pass_k=(),
+      template=protocol.PROMPT_TEMPLATES[config.data.prompt_template],
       progress=lambda it, **kw: tqdm.tqdm(it, leave=False, **kw))
   counts = result["solve_counts"]
   try:
