@@ -15,8 +15,9 @@ def get_config() -> ml_collections.ConfigDict:
   c.seed = 0
   c.algorithm = "grpo"
 
-  # Model: a size of pbsd_jax/models/sizes.py.
-  c.model = ml_collections.ConfigDict(dict(name="tiny", param_dtype="float32",
+  # Model: a size of pbsd_jax/models/sizes.py, or `init_dir`: start from a checkpoint directory
+  # (scripts/convert_hf.py output or a train workdir's ckpt_*) with its model_config.json.
+  c.model = ml_collections.ConfigDict(dict(name="tiny", init_dir="", param_dtype="float32",
                                            dtype="float32", remat=False))
 
   # Data: `dir` holds make_data.py output (made there if missing and `make_if_missing`).

@@ -56,7 +56,19 @@ def build_algorithm(config) -> algorithms.GRPO:
 
 
 def build_model_config(config, vocab_size: int | None = None) -> ModelConfig:
-  """The `ModelConfig` of `config.model.name` (the vocabulary's size for the embedded task)."""
+  """The `ModelConfig` of `config.model.name` (the vocabulary's size for the embedded task),
+  or the `model_config.json` of `config.model.init_dir` when the run starts from a checkpoint
+  (e.g. `scripts/convert_hf.py` output), whose vocabulary must be the data's."""
+  if config.model.init_dir:
+    from pbsd_jax import policy_checkpoint
+    model = policy_checkpoint.find_model_config(config.model.init_dir)
+    if model is None:
+      _fail("model.init_dir", config.model.init_dir, "holds no model_config.json")
+    if vocab_size is not None and model.vocab_size != vocab_size:
+      _fail("model.init_dir", config.model.init_dir,
+            f"the model's vocab_size={model.vocab_size} is not the data vocabulary's "
+            f"{vocab_size}")
+    return model
   name = config.model.name
   if name not in SIZES:
     _fail("model.name", name, f"unknown model size; known: {sorted(SIZES)}")

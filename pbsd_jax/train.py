@@ -180,12 +180,21 @@ def _resume(ckpt: checkpoint.Checkpointer, state: learner.TrainState) -> learner
   return state if restored is None else restored[0]
 
 
+def initial_params(config, model: ModelConfig) -> Any:
+  """The run's starting parameters: `config.model.init_dir`'s, or a seeded random init."""
+  if config.model.init_dir:
+    from pbsd_jax import policy_checkpoint
+    params, _ = policy_checkpoint.restore_params(config.model.init_dir)
+    return params
+  return init_params(model, jax.random.key(config.seed))
+
+
 def sft_stage(config, task: Task, model: ModelConfig, workdir: str, log: MetricLog,
               progress: Callable = lambda it, **kw: it) -> learner.TrainState:
   """`config.sft.steps` updates of masked NLL on oracle trajectories (resumable)."""
   steps = config.sft.steps
   tx = _optimizer(config, config.sft.lr, config.sft.warmup_steps, steps)
-  state = learner.init_train_state(init_params(model, jax.random.key(config.seed)), tx,
+  state = learner.init_train_state(initial_params(config, model), tx,
                                    jax.random.key(config.seed))
   with checkpoint.Checkpointer(os.path.join(workdir, "ckpt_sft"),
                                save_interval_steps=config.checkpoint.save_interval_steps,
