@@ -86,6 +86,18 @@ def restore_params(directory: str, step: int | None = None,
   return restored["params"], step
 
 
+def save_params(directory: str, config: ModelConfig, params: Any) -> None:
+  """Writes the `convert_hf.py` layout: `{"params": params}` with orbax under
+  `directory/params`, plus `model_config.json` (what `restore_params` and
+  `config.model.init_dir` read)."""
+  directory = os.path.abspath(directory)
+  os.makedirs(directory, exist_ok=True)
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(os.path.join(directory, PARAMS_DIR), {"params": params})
+  checkpointer.wait_until_finished()
+  save_model_config(directory, config)
+
+
 def save_model_config(directory: str, config: ModelConfig) -> str:
   """Writes `config` as `directory/model_config.json`; returns the path."""
   os.makedirs(directory, exist_ok=True)

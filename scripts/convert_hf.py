@@ -39,14 +39,7 @@ _CARRIED_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position
 _WEIGHT_FILES = (safetensors_io.SINGLE_FILE, safetensors_io.INDEX_FILE)
 
 
-def save_params_checkpoint(directory: str, config: ModelConfig, params: Any) -> None:
-  """Writes `{"params": params}` with orbax under `directory/params` plus `model_config.json`."""
-  directory = os.path.abspath(directory)
-  os.makedirs(directory, exist_ok=True)
-  checkpointer = ocp.StandardCheckpointer()
-  checkpointer.save(os.path.join(directory, PARAMS_DIR), {"params": params})
-  checkpointer.wait_until_finished()
-  policy_checkpoint.save_model_config(directory, config)
+save_params_checkpoint = policy_checkpoint.save_params
 
 
 def load_model_config(directory: str) -> ModelConfig:

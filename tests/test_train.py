@@ -133,17 +133,14 @@ def test_one_jitted_call_runs_rollout_reward_evidence_credit_and_update(kg):
 def test_a_converted_checkpoint_is_where_training_starts(kg, tmp_path):
   import jax
 
-  from pbsd_jax import run_config, train
+  from pbsd_jax import policy_checkpoint, run_config, train
   from pbsd_jax.models import ModelConfig, init_params
   from test_configs import load
-
-  sys.path.insert(0, os.path.join(ROOT, "scripts"))
-  import convert_hf
 
   model = ModelConfig(vocab_size=kg.vocab.vocab_size, hidden_size=32, num_layers=1,
                       num_heads=2, num_kv_heads=1, mlp_dim=64)
   params = init_params(model, jax.random.key(7))
-  convert_hf.save_params_checkpoint(str(tmp_path), model, params)
+  policy_checkpoint.save_params(str(tmp_path), model, params)  # convert_hf's layout
   config = load("pbsd", f"--config.model.init_dir={tmp_path}")
   assert run_config.build_model_config(config, kg.vocab.vocab_size) == model
   for a, b in zip(jax.tree.leaves(train.initial_params(config, model)),
