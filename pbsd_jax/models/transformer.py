@@ -90,6 +90,33 @@ def apply_rope(x: Array, positions: Array, theta: float) -> Array:
   return out.astype(x.dtype)
 
 
+# Longer query runs attend in blocks of this many queries (`query_blocks`).
+QUERY_BLOCK = 1024
+
+
+def query_blocks(attend, q: Array, allowed: Array, block: int = QUERY_BLOCK) -> Array:
+  """`attend(q, allowed)` over blocks of `block` queries when `q: [B, T, ...]` is longer.
+
+  Each query's softmax runs over the keys alone, so blocking the queries is exact; it bounds
+  the `f32[B, heads, T, S]` scores (and their softmax temporaries) to `block` rows at a time,
+  in the backward pass too (each block is rematerialised). At 4,096 tokens that is what the
+  long-row likelihood's peak memory is made of once the LM head is chunked.
+  """
+  t = q.shape[1]
+  if t <= block:
+    return attend(q, allowed)
+  num = -(-t // block)
+  pad = num * block - t
+
+  def split(x):
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    return jnp.moveaxis(x.reshape(x.shape[0], num, block, *x.shape[2:]), 1, 0)
+
+  out = jax.lax.map(lambda xs: jax.checkpoint(attend)(*xs), (split(q), split(allowed)))
+  out = jnp.moveaxis(out, 0, 1)
+  return out.reshape(out.shape[0], num * block, *out.shape[3:])[:, :t]
+
+
 def _param(module: nn.Module, name: str, shape, axes, init=_INIT):
   """A parameter in `param_dtype` with logical axis names."""
   return module.param(name, nn.with_logical_partitioning(init, axes), shape,
@@ -115,7 +142,13 @@ class Attention(nn.Module):
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x, positions, query_slots, key_mask, layer_cache):
+  def __call__(self, x, positions, query_slots, key_mask, cache):
+    """`cache`: None, or `(k, v, layer)`: every layer's keys and values and this layer's index.
+
+    The new keys and values are scattered straight into the all-layer arrays (which the
+    layer scan carries), so a decode step updates the cache in place instead of slicing
+    it out and stacking it back (a copy of the whole cache per step).
+    """
     c = self.config
     dt, hd, h, kvh = c.jnp_dtype, c.resolved_head_dim, c.num_heads, c.num_kv_heads
 
@@ -135,29 +168,36 @@ class Attention(nn.Module):
       k = RMSNorm(c, "head_dim", name="k_norm")(k)
     q, k = apply_rope(q, positions, c.rope_theta), apply_rope(k, positions, c.rope_theta)
 
-    if layer_cache is None:
+    if cache is None:
       keys, values = k, v
       key_slots = jnp.arange(k.shape[1])
+      new_cache = None
     else:
       # Scatter with mode="drop": slots past the end of the buffer are discarded rather than
       # clamped (dynamic_update_slice would silently shift the write).
-      cache_k, cache_v = layer_cache
+      cache_k, cache_v, layer = cache
       rows = jnp.arange(k.shape[0])[:, None]
-      keys = cache_k.at[rows, query_slots].set(k.astype(cache_k.dtype), mode="drop")
-      values = cache_v.at[rows, query_slots].set(v.astype(cache_v.dtype), mode="drop")
+      cache_k = cache_k.at[layer, rows, query_slots].set(k.astype(cache_k.dtype), mode="drop")
+      cache_v = cache_v.at[layer, rows, query_slots].set(v.astype(cache_v.dtype), mode="drop")
+      keys, values = cache_k[layer], cache_v[layer]
       key_slots = jnp.arange(keys.shape[1])
+      new_cache = (cache_k, cache_v, layer)
 
     allowed = key_mask[:, None, :] & (key_slots[None, None, :] <= query_slots[:, :, None])
     b, t = q.shape[:2]
     q = q.reshape(b, t, kvh, h // kvh, hd)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, keys.astype(dt)).astype(jnp.float32)
-    scores = scores / jnp.sqrt(jnp.float32(hd))
-    scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, values.astype(dt)).reshape(b, t, h, hd)
+    keys, values = keys.astype(dt), values.astype(dt)
+
+    def attend(q, allowed):
+      scores = jnp.einsum("btkgd,bskd->bkgts", q, keys).astype(jnp.float32)
+      scores = scores / jnp.sqrt(jnp.float32(hd))
+      scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
+      probs = jax.nn.softmax(scores, axis=-1).astype(dt)
+      return jnp.einsum("bkgts,bskd->btkgd", probs, values)
+
+    out = query_blocks(attend, q, allowed).reshape(b, t, h, hd)
     o_kernel = _param(self, "o_kernel", (h, hd, c.hidden_size), ("heads", "head_dim", "embed"))
     out = jnp.einsum("bthk,hkd->btd", out, o_kernel.astype(dt))
-    new_cache = None if layer_cache is None else (keys, values)
     return out, new_cache
 
 
@@ -209,22 +249,28 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-  """One pre-norm decoder layer; scanned over layers by `Transformer`."""
+  """One pre-norm decoder layer; scanned over layers by `Transformer`.
+
+  The scan carries `(x, cache)`, the cache being None or `(k, v, layer)` over all layers
+  (see `Attention`); this layer's expert `routes` come in per layer and go out per layer.
+  """
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, x, positions, query_slots, key_mask, layer_inputs):
-    layer_cache, routes = layer_inputs
+  def __call__(self, carry, positions, query_slots, key_mask, routes):
+    x, cache = carry
     c = self.config
-    attn_out, new_cache = Attention(c, name="attn")(
-        RMSNorm(c, name="attn_norm")(x), positions, query_slots, key_mask, layer_cache)
+    attn_out, cache = Attention(c, name="attn")(
+        RMSNorm(c, name="attn_norm")(x), positions, query_slots, key_mask, cache)
     x = x + attn_out
     normed = RMSNorm(c, name="mlp_norm")(x)
     if c.is_moe:
       mlp_out, routes = MoE(c, name="moe")(normed, routes)
     else:
       mlp_out, routes = MLP(c, name="mlp")(normed), None
-    return x + mlp_out, (new_cache, routes)
+    if cache is not None:
+      cache = (cache[0], cache[1], cache[2] + 1)
+    return (x + mlp_out, cache), routes
 
 
 class Transformer(nn.Module):
@@ -272,7 +318,7 @@ class Transformer(nn.Module):
     if cache is None:
       positions = positions_from_mask(mask)
       query_slots = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-      key_mask, layer_caches, new_mask = mask, None, None
+      key_mask, caches, new_mask = mask, None, None
     else:
       if write_index is None:
         raise ValueError("write_index is required when a cache is given")
@@ -283,11 +329,11 @@ class Transformer(nn.Module):
       query_slots = write_index[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
       rows = jnp.arange(b)[:, None]
       new_mask = cache.mask.at[rows, query_slots].set(mask, mode="drop")
-      key_mask, layer_caches = new_mask, (cache.k, cache.v)
+      key_mask, caches = new_mask, (cache.k, cache.v, jnp.int32(0))
 
     x = jnp.take(self.embedding, tokens, axis=0).astype(c.jnp_dtype)
-    x, (new_caches, new_routes) = self.layers(
-        x, positions, query_slots, key_mask, (layer_caches, routes))
+    (x, new_caches), new_routes = self.layers(
+        (x, caches), positions, query_slots, key_mask, routes)
     hidden = self.final_norm(x)
     new_cache = None
     if cache is not None:

@@ -1,0 +1,112 @@
+"""What every `benchmarks/ours_*.py` script shares: arguments, the model, timing, the result line.
+
+A script measures warm: one call compiles and warms up, then the best of `--repeats` calls
+counts (`best_of`). Its last stdout line is `RESULT {json}` (`emit`), which
+`benchmarks/run_all.py` parses. The model is either the reference checkpoint (`--model DIR`,
+written by `benchmarks/reference.py`, loaded with `pbsd_jax.models.hf.load`) or a named shape
+from `pbsd_jax/models/sizes.py` with seeded random weights (`--size`, for `benchmarks/gpu.sh`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pbsd_jax.models import ModelConfig, hf, init_params
+from pbsd_jax.models.sizes import SIZES
+
+# Dense peaks of accelerators by `device_kind` substring: (bf16 FLOP/s, HBM bytes/s).
+CHIP_PEAKS = {
+    "H200": (989e12, 4.8e12),
+    "H100": (989e12, 3.35e12),
+    "A100": (312e12, 2.0e12),
+    "L4": (121e12, 0.3e12),
+    "TPU v5 lite": (197e12, 0.82e12),
+    "TPU v5p": (459e12, 2.76e12),
+    "TPU v4": (275e12, 1.2e12),
+}
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+  """The arguments every script takes; scripts add their own."""
+  p = argparse.ArgumentParser(description=doc)
+  p.add_argument("--model", help="reference HF checkpoint dir (benchmarks/reference.py)")
+  p.add_argument("--size", help="a pbsd_jax/models/sizes.py shape with random weights "
+                 "(instead of --model)")
+  p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                 help="compute dtype (parameters stay float32 master weights)")
+  p.add_argument("--repeats", type=int, default=3, help="timed calls after the warm-up")
+  return p
+
+
+def load_model(args) -> tuple[ModelConfig, Any]:
+  """`(config, params)` from `--model` or `--size`: float32 parameters, `--dtype` compute."""
+  if args.model:
+    return hf.load(args.model, param_dtype="float32", dtype=args.dtype)
+  if not args.size:
+    raise SystemExit("pass --model DIR (benchmarks/reference.py --out DIR) or --size NAME")
+  config = ModelConfig(**SIZES[args.size], param_dtype="float32", dtype=args.dtype)
+  return config, init_params(config, jax.random.key(0))
+
+
+def load_prompts(args, config: ModelConfig, num: int = 8, width: int = 64) -> np.ndarray:
+  """`i32[num, width]` prompts: `DIR/prompts.json`, or seeded random ids without `--model`."""
+  if args.model:
+    with open(os.path.join(args.model, "prompts.json")) as f:
+      return np.asarray(json.load(f)["prompts"], np.int32)
+  return np.random.default_rng(0).integers(10, config.vocab_size, (num, width), dtype=np.int32)
+
+
+def best_of(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+  """`(best wall seconds, last output)` of `repeats` calls after one warm-up call.
+
+  Outputs are waited for (`block_until_ready`), so the time is the computation's, not the
+  dispatch's. `fn` may carry state between calls through a closure (donated train states).
+  """
+  out = jax.block_until_ready(fn())
+  best = float("inf")
+  for _ in range(repeats):
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn())
+    best = min(best, time.perf_counter() - start)
+  return best, out
+
+
+def matmul_peak(dtype: str = "float32", sizes=(1024, 2048, 4096), repeats: int = 3) -> float:
+  """Best FLOP/s of a square `jnp.dot` over `sizes` (`2 n^3` FLOPs each), measured now."""
+  best = 0.0
+  for n in sizes:
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dtype)
+    dot = jax.jit(jnp.dot)
+    seconds, _ = best_of(lambda: dot(a, b), repeats)
+    best = max(best, 2 * n ** 3 / seconds)
+  return best
+
+
+def chip_peaks() -> tuple[float, float] | None:
+  """`(bf16 FLOP/s, HBM bytes/s)` of device 0 from `CHIP_PEAKS`, or None (e.g. a CPU)."""
+  kind = jax.devices()[0].device_kind
+  for name, peaks in CHIP_PEAKS.items():
+    if name.lower() in kind.lower():
+      return peaks
+  return None
+
+
+def tree_bytes(tree: Any) -> int:
+  """Bytes of every array in a pytree."""
+  return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def emit(result: dict) -> None:
+  """Prints the result line `run_all.py` parses (the script's last stdout line)."""
+  result = {"system": "ours", "device": jax.devices()[0].device_kind,
+            "jax": jax.__version__, **result}
+  print("RESULT " + json.dumps(result), flush=True)

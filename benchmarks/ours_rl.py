@@ -1,0 +1,156 @@
+"""Our sampler and our single-turn GRPO and PBSD steps on the reference shape.
+
+One RL step is one `jax.jit` program, as `pbsd_jax.train.make_rl_iteration` builds it: rollout
+(prefill + `lax.while_loop` decode of exactly `--new-tokens` tokens, temperature 1, no stop)
+-> reward -> evidence (`learner.policy_batch`: the student log-prob pass, plus for PBSD the
+teacher pass of `likelihood.dual_logprobs`) -> one PPO update (`learner.ppo_update`). The
+breakdown jits the three parts separately. The reward is a deterministic function of the
+sampled tokens (more than half of them even), so groups have non-zero advantages.
+
+The PBSD teacher prompt is the student prompt with its last quarter replaced by other ids:
+the same 64-token width, a different conditioning, which is all the cost depends on.
+
+Sampler tokens/s: `--prompts x --group` sequences x `--new-tokens` / wall seconds of
+`Sampler.generate` (prefill + decode). Decode bandwidth: parameter bytes + the whole KV cache
+(our attention reads every slot of the static buffer) per decode step / decode step time.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import ours_common
+from pbsd_jax import algorithms, learner
+from pbsd_jax.rollout import Rollout
+from pbsd_jax.sampling import Sampler
+
+
+def even_majority_reward(tokens: jax.Array, sampled: jax.Array) -> jax.Array:
+  """`f32[B]` 1.0 where more than half of a row's sampled tokens are even ids."""
+  even = jnp.sum(sampled & (tokens % 2 == 0), axis=1)
+  return (2 * even > jnp.sum(sampled, axis=1)).astype(jnp.float32)
+
+
+def single_turn_rollout(sampler: Sampler, params, prompts: jax.Array, mask: jax.Array,
+                        rng: jax.Array, group: int, new_tokens: int) -> Rollout:
+  """One sampled answer per row, in the shared `Rollout` layout (turn 0 = every action)."""
+  b, p = prompts.shape
+  state = sampler.prefill(params, prompts, mask, p + new_tokens)
+  budget = jnp.full((b,), new_tokens, jnp.int32)
+  state, _ = sampler.decode(params, state, rng, budget, max_steps=new_tokens)
+  ones = jnp.ones((b,), jnp.int32)
+  return Rollout(tokens=state.tokens, action_mask=state.sampled,
+                 turn_ids=jnp.where(state.sampled, 0, -1), num_turns=ones, length=state.cursor,
+                 prompt_length=jnp.sum(mask, axis=1).astype(jnp.int32),
+                 finished=ones.astype(bool), truncated=jnp.zeros((b,), bool),
+                 group_ids=jnp.arange(b, dtype=jnp.int32) // group,
+                 sample_logp=state.sample_logp,
+                 reward=even_majority_reward(state.tokens, state.sampled),
+                 search_failures=jnp.zeros((b,), jnp.int32), prompt_width=p)
+
+
+def measure_step(name: str, config, params, prompts, mask, teacher, teacher_mask, args) -> dict:
+  """Warm best-of times of one RL step of algorithm `name` and of its three parts."""
+  sampler = Sampler(config, temperature=1.0)
+  algo = algorithms.get(name)
+  tx = learner.make_optimizer(1e-6)
+  plan = learner.UpdatePlan(chunk_size=args.chunk_size)
+  rollout_fn = jax.jit(functools.partial(single_turn_rollout, sampler, group=args.group,
+                                         new_tokens=args.new_tokens))
+  evidence_fn = jax.jit(functools.partial(learner.policy_batch, config=config, algo=algo,
+                                          max_turns=1, chunk_size=plan.chunk_size))
+  update_fn = jax.jit(functools.partial(learner.ppo_update, config=config, tx=tx, algo=algo,
+                                        plan=plan))
+
+  def iteration(state, rng):
+    rollout = rollout_fn(state.params, prompts, mask, rng)
+    return learner.rl_step(state, rollout, teacher, teacher_mask, config=config, tx=tx,
+                           algo=algo, max_turns=1, plan=plan)
+
+  step_fn = jax.jit(iteration, donate_argnums=0)
+  holder = {"state": learner.init_train_state(jax.tree.map(jnp.copy, params), tx,
+                                              jax.random.key(0)), "n": 0}
+
+  def step():
+    holder["n"] += 1
+    holder["state"], metrics = step_fn(holder["state"], jax.random.key(holder["n"]))
+    return metrics
+
+  step_s, _ = ours_common.best_of(step, args.repeats)
+  rollout = rollout_fn(params, prompts, mask, jax.random.key(0))
+  rollout_s, _ = ours_common.best_of(lambda: rollout_fn(params, prompts, mask,
+                                                        jax.random.key(0)), args.repeats)
+  step0 = jnp.zeros((), jnp.int32)
+  evidence_s, (batch, _) = ours_common.best_of(
+      lambda: evidence_fn(params, rollout, teacher, teacher_mask, step0), args.repeats)
+  state = learner.init_train_state(params, tx, jax.random.key(0))
+  update_s, _ = ours_common.best_of(lambda: update_fn(state, batch), args.repeats)
+  return {f"{name}_step_s": step_s, f"{name}_rollout_s": rollout_s,
+          f"{name}_evidence_s": evidence_s, f"{name}_update_s": update_s}
+
+
+def measure_sampler(config, params, prompts, mask, args) -> dict:
+  """Sampler tokens/s (prefill + decode) and the decode step's time and bytes read.
+
+  The sampler gets the parameters in the compute dtype (cast once, as a rollout worker holds
+  them), so a bfloat16 decode reads bfloat16 weights.
+  """
+  sampler = Sampler(config, temperature=1.0)
+  params = jax.tree.map(lambda x: x.astype(config.jnp_dtype), params)
+  b, p = prompts.shape
+  size = p + args.new_tokens
+  budget = jnp.full((b,), args.new_tokens, jnp.int32)
+
+  def generate():
+    return sampler.generate(params, prompts, mask, jax.random.key(0), args.new_tokens)
+
+  generate_s, _ = ours_common.best_of(generate, args.repeats)
+  state = sampler.prefill(params, prompts, mask, size)
+  decode = lambda: sampler.decode(params, state, jax.random.key(0), budget,
+                                  max_steps=args.new_tokens)
+  decode_s, _ = ours_common.best_of(decode, args.repeats)
+  step_bytes = ours_common.tree_bytes(params) + ours_common.tree_bytes((state.cache.k,
+                                                                        state.cache.v))
+  return {"sampler_tok_s": b * args.new_tokens / generate_s, "generate_s": generate_s,
+          "decode_step_s": decode_s / args.new_tokens, "decode_bytes_per_step": step_bytes}
+
+
+def main():
+  p = ours_common.parser(__doc__)
+  p.add_argument("--group", type=int, default=8, help="generations per prompt (G)")
+  p.add_argument("--new-tokens", type=int, default=128)
+  p.add_argument("--chunk-size", type=int, default=None, help="LM-head chunk (None: whole)")
+  p.add_argument("--only", choices=("sampler", "grpo", "pbsd"), action="append",
+                 help="measure only these (repeatable; default all)")
+  args = p.parse_args()
+  config, params = ours_common.load_model(args)
+  prompts = np.repeat(ours_common.load_prompts(args, config), args.group, axis=0)
+  mask = np.ones(prompts.shape, bool)
+  # Privileged prompt: the last quarter of the prompt replaced (same width P).
+  teacher = prompts.copy()
+  quarter = prompts.shape[1] // 4
+  teacher[:, -quarter:] = (prompts[:, -quarter:] + 1) % config.vocab_size
+  prompts, mask, teacher = map(jnp.asarray, (prompts, mask, teacher))
+  only = set(args.only or ("sampler", "grpo", "pbsd"))
+  result = {"batch": int(prompts.shape[0]), "new_tokens": args.new_tokens,
+            "dtype": config.dtype}
+  if "sampler" in only:
+    result.update(measure_sampler(config, params, prompts, mask, args))
+    peaks = ours_common.chip_peaks()
+    if peaks:
+      result["decode_bandwidth_util"] = (result["decode_bytes_per_step"]
+                                         / result["decode_step_s"] / peaks[1])
+  for name in ("grpo", "pbsd"):
+    if name in only:
+      result.update(measure_step(name, config, params, prompts, mask, teacher, mask, args))
+  if {"grpo", "pbsd"} <= only:
+    result["pbsd_over_grpo"] = result["pbsd_step_s"] / result["grpo_step_s"]
+  ours_common.emit(result)
+
+
+if __name__ == "__main__":
+  main()
