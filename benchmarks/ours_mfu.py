@@ -3,7 +3,8 @@
 The update is `learner.ppo_update` (GRPO loss, one optimiser step) on `--rows x --seq` tokens
 of a larger shape (default: 8 layers, hidden 512, 8 query / 4 KV heads of 64, MLP 2048,
 vocab 32768, untied head; 32 x 1024 = 32k tokens), micro-batched (`--micro`) so the
-attention scores of a micro-batch fit in memory, the LM head chunked (`--chunk`).
+attention scores of a micro-batch fit in memory, the LM head chunked (`--chunk`). One warm-up
+update, then one timed (`--repeats`, default 1: an update is long next to its noise).
 
 Model FLOPs of the update (forward + backward = 3 forwards, each matmul 2 FLOPs per MAC):
 
@@ -63,6 +64,8 @@ def main():
   p.add_argument("--micro", type=int, default=4, help="rows per micro-batch")
   p.add_argument("--chunk", type=int, default=256, help="LM-head chunk over the sequence")
   p.add_argument("--remat", action="store_true", help="rematerialise each layer")
+  # An update of 32k tokens takes about a minute on a 2-core CPU: one warm-up, one timed.
+  p.set_defaults(repeats=1)
   args = p.parse_args()
   shape = SIZES[args.size] if args.size else LARGER
   config = ModelConfig(**shape, param_dtype="float32", dtype=args.dtype, remat=args.remat)

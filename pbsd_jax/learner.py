@@ -222,6 +222,9 @@ class PolicyBatch:
     loss_mask: tokens that enter the loss (the algorithm's; a subset of `action_mask`).
     advantages: `f32` token advantages, 0 off `loss_mask`.
     old_logp: `f32` pre-update log-probs of the student sequence (the PPO ratio's base).
+    score_from: static first column the loss and the entropy metric read (the rollout's
+      prompt width: action tokens lie in the trajectory), so the update's LM head skips the
+      prompt region. 1 scores every column.
   """
 
   tokens: Array
@@ -232,6 +235,7 @@ class PolicyBatch:
   loss_mask: Array
   advantages: Array
   old_logp: Array
+  score_from: int = struct.field(pytree_node=False, default=1)
 
 
 def sft_loss(params: Any, config: ModelConfig, tokens: Array, mask: Array, loss_mask: Array,
@@ -390,7 +394,8 @@ def policy_loss(params: Any, batch: PolicyBatch, *, config: ModelConfig, algo: A
   `teacher_params` on the teacher sequence.
   """
   logp, entropy = likelihood.token_logprobs(params, config, batch.tokens, batch.mask,
-                                            chunk_size=chunk_size, with_entropy=True)
+                                            chunk_size=chunk_size, with_entropy=True,
+                                            score_from=batch.score_from)
   divergence = None
   if algo.distillation_beta is not None:
     divergence = likelihood.token_divergence(
@@ -511,7 +516,8 @@ def policy_batch(params: Any, rollout: Any, teacher_prompt: Array, teacher_promp
   advantages, loss_mask, metrics = algo.advantages(inputs)
   batch = PolicyBatch(tokens=tokens, mask=mask, teacher_tokens=teacher_tokens,
                       teacher_mask=teacher_mask, action_mask=rollout.action_mask.astype(bool),
-                      loss_mask=loss_mask, advantages=advantages, old_logp=logp_student)
+                      loss_mask=loss_mask, advantages=advantages, old_logp=logp_student,
+                      score_from=rollout.prompt_width)
   metrics = {**metrics, "accuracy": jnp.mean(rollout.reward.astype(jnp.float32)),
              "mean_turns": jnp.mean(rollout.num_turns.astype(jnp.float32)),
              "mean_action_tokens": jnp.mean(rollout.num_action_tokens.astype(jnp.float32))}

@@ -55,7 +55,7 @@ def map_sequence_chunks(fn: Callable[..., Any], chunk_size: int | None, *arrays:
 
 def logprobs_from_hidden(unembed: Callable[[Array], Array], hidden: Array, tokens: Array,
                          mask: Array, chunk_size: int | None = None,
-                         with_entropy: bool = False):
+                         with_entropy: bool = False, score_from: int = 1):
   """Per-token log-probs (and optionally next-token entropies) from final hidden states.
 
   Args:
@@ -65,6 +65,9 @@ def logprobs_from_hidden(unembed: Callable[[Array], Array], hidden: Array, token
     mask: `bool[B, T]` real tokens.
     chunk_size: positions per LM-head chunk (None: all at once).
     with_entropy: also return the entropy of the distribution that predicted each token.
+    score_from: static first column to score (>= 1); earlier columns get 0 and the LM head
+      never runs on them (the learner passes the prompt width: it trains on trajectory
+      tokens only).
 
   Returns:
     `logp: f32[B, T]` (and `entropy: f32[B, T]`), 0 on slots without a real predecessor.
@@ -78,15 +81,17 @@ def logprobs_from_hidden(unembed: Callable[[Array], Array], hidden: Array, token
     return logp, entropy
 
   # The distribution at slot t-1 predicts token t.
-  logp, entropy = map_sequence_chunks(score, chunk_size, hidden[:, :-1], tokens[:, 1:])
-  scored = mask[:, 1:] & mask[:, :-1]
-  pad = lambda x: jnp.pad(jnp.where(scored, x, 0.0), [(0, 0), (1, 0)])
+  first = max(1, score_from)
+  logp, entropy = map_sequence_chunks(score, chunk_size, hidden[:, first - 1:-1],
+                                      tokens[:, first:])
+  scored = mask[:, first:] & mask[:, first - 1:-1]
+  pad = lambda x: jnp.pad(jnp.where(scored, x, 0.0), [(0, 0), (first, 0)])
   return (pad(logp), pad(entropy)) if with_entropy else pad(logp)
 
 
 def token_logprobs(params: Any, config: ModelConfig, tokens: Array, mask: Array, *,
                    chunk_size: int | None = None, routes: Array | None = None,
-                   with_entropy: bool = False):
+                   with_entropy: bool = False, score_from: int = 1):
   """`f32[B, T]` log-probs of `tokens: i32[B, T]` under the model (see module docstring).
 
   Args:
@@ -97,12 +102,14 @@ def token_logprobs(params: Any, config: ModelConfig, tokens: Array, mask: Array,
     chunk_size: LM-head chunk over the sequence; the result is identical to `None`.
     routes: MoE expert choices to replay, `i32[layers, B, T, k]`.
     with_entropy: also return next-token entropies `f32[B, T]`.
+    score_from: static first column scored (see `logprobs_from_hidden`).
   """
   model = Transformer(config)
   variables = {"params": params}
   out = model.apply(variables, tokens, mask, routes=routes, compute_logits=False)
   unembed = lambda h: model.apply(variables, h, method=Transformer.unembed)
-  return logprobs_from_hidden(unembed, out.hidden, tokens, mask, chunk_size, with_entropy)
+  return logprobs_from_hidden(unembed, out.hidden, tokens, mask, chunk_size, with_entropy,
+                              score_from)
 
 
 def dual_logprobs(params: Any, config: ModelConfig, student_tokens: Array, student_mask: Array,

@@ -162,9 +162,15 @@ class Sampler:
     if self.top_k < 0 or self.top_k > self.model.vocab_size:
       raise ValueError(f"Sampler.top_k must be in [0, vocab_size], got {self.top_k}")
 
-  def _forward(self, params, tokens, mask, cache, write_index):
+  def _forward(self, params, tokens, mask, cache, write_index, compute_logits=True):
     return Transformer(self.model).apply({"params": params}, tokens, mask, cache=cache,
-                                         write_index=write_index)
+                                         write_index=write_index, compute_logits=compute_logits)
+
+  def _unembed(self, params, hidden):
+    """`f32[B, V]` logits of hidden states `[B, D]`: prefill and append need one position per
+    row, so the LM head runs on that position only (not on every prompt token)."""
+    return Transformer(self.model).apply({"params": params}, hidden,
+                                         method=Transformer.unembed)
 
   @functools.partial(jax.jit, static_argnums=(0, 4))
   def prefill(self, params, tokens: Array, mask: Array, buffer_size: int) -> DecodeState:
@@ -176,11 +182,13 @@ class Sampler:
     if buffer_size < p:
       raise ValueError(f"buffer_size={buffer_size} is smaller than the prompt width {p}")
     cache = KVCache.init(self.model, b, buffer_size)
-    out = self._forward(params, tokens, mask, cache, jnp.zeros((b,), jnp.int32))
+    out = self._forward(params, tokens, mask, cache, jnp.zeros((b,), jnp.int32),
+                        compute_logits=False)
     buf = jnp.zeros((b, buffer_size), jnp.int32).at[:, :p].set(jnp.where(mask, tokens, 0))
     return DecodeState(tokens=buf, sampled=jnp.zeros((b, buffer_size), bool),
                        sample_logp=jnp.zeros((b, buffer_size), jnp.float32), cache=out.cache,
-                       cursor=jnp.full((b,), p, jnp.int32), logits=out.logits[:, -1])
+                       cursor=jnp.full((b,), p, jnp.int32),
+                       logits=self._unembed(params, out.hidden[:, -1]))
 
   @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("as_actions",))
   def append(self, params, state: DecodeState, tokens: Array, lengths: Array, *,
@@ -195,10 +203,11 @@ class Sampler:
     b, n = tokens.shape
     lengths = jnp.minimum(lengths.astype(jnp.int32), state.buffer_size - state.cursor)
     mask = jnp.arange(n)[None, :] < lengths[:, None]
-    out = self._forward(params, tokens, mask, state.cache, state.cursor)
+    out = self._forward(params, tokens, mask, state.cache, state.cursor, compute_logits=False)
     rows, cols = jnp.arange(b)[:, None], state.cursor[:, None] + jnp.arange(n)[None, :]
     buf = state.tokens.at[rows, jnp.where(mask, cols, state.buffer_size)].set(tokens, mode="drop")
-    last = jnp.take_along_axis(out.logits, jnp.maximum(lengths - 1, 0)[:, None, None], 1)[:, 0]
+    last = self._unembed(params, jnp.take_along_axis(
+        out.hidden, jnp.maximum(lengths - 1, 0)[:, None, None], 1)[:, 0])
     sampled = state.sampled.at[rows, jnp.where(mask, cols, state.buffer_size)].set(
         as_actions, mode="drop")
     return state.replace(tokens=buf, sampled=sampled, cache=out.cache,
