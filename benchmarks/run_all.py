@@ -97,10 +97,10 @@ def target_table(results: dict) -> str:
       continue
     ratio = a / b
     met = ratio <= bound if sense == "<=" else ratio >= bound
-    rows.append(f"| {label} | {ratio:.3g} | {sense} {bound:g} | {'yes' if met else 'no'} |")
+    rows.append(f"| {label} | {ratio:.3f} | {sense} {bound:g} | {'yes' if met else 'no'} |")
   for label, num, den in EXTRA:
     a, b = figure(results, num), figure(results, den)
-    rows.append(f"| {label} | {'not run' if a is None or b is None else f'{a / b:.3g}'} "
+    rows.append(f"| {label} | {'not run' if a is None or b is None else f'{a / b:.3f}'} "
                 "| (context) | |")
   return "\n".join(rows)
 
