@@ -176,7 +176,19 @@ def main():
   p.add_argument("--timeout", type=int, default=3600, help="seconds per script")
   args = p.parse_args()
   command = shlex.join(["benchmarks/run_all.py", *sys.argv[1:]])
-  model_dir = args.model_dir or tempfile.mkdtemp(prefix="pbsd_bench_")
+  if args.model_dir:
+    results, errors = run_everything(args, args.model_dir)
+  else:
+    with tempfile.TemporaryDirectory(prefix="pbsd_bench_") as model_dir:
+      results, errors = run_everything(args, model_dir)
+  text = report(results, command, errors)
+  print(text)
+  write_doc(args.doc, text)
+  print(f"\nwritten to {os.path.relpath(args.doc, ROOT)}", file=sys.stderr)
+
+
+def run_everything(args, model_dir: str) -> tuple[dict, list[str]]:
+  """Writes the reference into `model_dir` and runs the scripts: `(results by system, errors)`."""
   subprocess.run([sys.executable, os.path.join(HERE, "reference.py"), "--out", model_dir],
                  cwd=ROOT, check=True)
   common = ["--model", model_dir]
@@ -206,10 +218,7 @@ def main():
         record(script.split("_")[0], run_script(args.peers_python,
                                                 os.path.join(HERE, "peers", script),
                                                 common + extra, args.timeout), script)
-  text = report(results, command, errors)
-  print(text)
-  write_doc(args.doc, text)
-  print(f"\nwritten to {os.path.relpath(args.doc, ROOT)}", file=sys.stderr)
+  return results, errors
 
 
 if __name__ == "__main__":

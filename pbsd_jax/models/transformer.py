@@ -35,8 +35,10 @@ class KVCache:
   """Keys and values of every layer, written at per-row slots.
 
   Attributes:
-    k: `[layers, B, S, kv_heads, head_dim]` keys (RoPE already applied).
-    v: `[layers, B, S, kv_heads, head_dim]` values.
+    k: `[layers, B, kv_heads, S, head_dim]` keys (RoPE already applied). Heads come before
+      slots so that attention reads each head's keys as they lie, with no transpose of the
+      whole cache per decode step (which made a step's time grow with the buffer).
+    v: `[layers, B, kv_heads, S, head_dim]` values.
     mask: `bool[B, S]`, True on slots that hold a real token.
   """
 
@@ -47,7 +49,7 @@ class KVCache:
   @classmethod
   def init(cls, config: ModelConfig, batch: int, size: int) -> "KVCache":
     """An empty cache of `size` slots per row, in the compute dtype."""
-    shape = (config.num_layers, batch, size, config.num_kv_heads, config.resolved_head_dim)
+    shape = (config.num_layers, batch, config.num_kv_heads, size, config.resolved_head_dim)
     zeros = jnp.zeros(shape, config.jnp_dtype)
     return cls(k=zeros, v=zeros, mask=jnp.zeros((batch, size), bool))
 
@@ -168,20 +170,21 @@ class Attention(nn.Module):
       k = RMSNorm(c, "head_dim", name="k_norm")(k)
     q, k = apply_rope(q, positions, c.rope_theta), apply_rope(k, positions, c.rope_theta)
 
+    k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, kv_heads, T, head_dim]
     if cache is None:
       keys, values = k, v
-      key_slots = jnp.arange(k.shape[1])
       new_cache = None
     else:
       # Scatter with mode="drop": slots past the end of the buffer are discarded rather than
       # clamped (dynamic_update_slice would silently shift the write).
       cache_k, cache_v, layer = cache
-      rows = jnp.arange(k.shape[0])[:, None]
-      cache_k = cache_k.at[layer, rows, query_slots].set(k.astype(cache_k.dtype), mode="drop")
-      cache_v = cache_v.at[layer, rows, query_slots].set(v.astype(cache_v.dtype), mode="drop")
+      rows, heads = jnp.arange(k.shape[0])[:, None, None], jnp.arange(kvh)[None, :, None]
+      slots = query_slots[:, None, :]
+      cache_k = cache_k.at[layer, rows, heads, slots].set(k.astype(cache_k.dtype), mode="drop")
+      cache_v = cache_v.at[layer, rows, heads, slots].set(v.astype(cache_v.dtype), mode="drop")
       keys, values = cache_k[layer], cache_v[layer]
-      key_slots = jnp.arange(keys.shape[1])
       new_cache = (cache_k, cache_v, layer)
+    key_slots = jnp.arange(keys.shape[2])
 
     allowed = key_mask[:, None, :] & (key_slots[None, None, :] <= query_slots[:, :, None])
     b, t = q.shape[:2]
@@ -189,11 +192,11 @@ class Attention(nn.Module):
     keys, values = keys.astype(dt), values.astype(dt)
 
     def attend(q, allowed):
-      scores = jnp.einsum("btkgd,bskd->bkgts", q, keys).astype(jnp.float32)
+      scores = jnp.einsum("btkgd,bksd->bkgts", q, keys).astype(jnp.float32)
       scores = scores / jnp.sqrt(jnp.float32(hd))
       scores = jnp.where(allowed[:, None, None], scores, jnp.finfo(jnp.float32).min)
       probs = jax.nn.softmax(scores, axis=-1).astype(dt)
-      return jnp.einsum("bkgts,bskd->btkgd", probs, values)
+      return jnp.einsum("bkgts,bksd->btkgd", probs, values)
 
     out = query_blocks(attend, q, allowed).reshape(b, t, h, hd)
     o_kernel = _param(self, "o_kernel", (h, hd, c.hidden_size), ("heads", "head_dim", "embed"))
