@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo test install bench bench-peers-venv clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -n 2 tests
+
+# Side-by-side benchmarks (docs/benchmarks.md); the peers need their own venv first.
+bench-peers-venv:
+	$(PYTHON) -m venv benchmarks/.venv-peers
+	benchmarks/.venv-peers/bin/pip install -q -r benchmarks/requirements-peers.txt
+
+bench: $(STAMP)
+	$(VENV)/bin/python benchmarks/run_all.py
 
 clean:
 	rm -rf $(VENV) workdir
