@@ -158,3 +158,12 @@ def validate(config, num_devices: int | None = None) -> None:
           f"the batch of {batch} trajectories does not divide over {data_shards} data shards")
   if any(k < 1 for k in config.eval.pass_k):
     _fail("eval.pass_k", config.eval.pass_k, "every k must be >= 1")
+
+
+def validate_for_script(config) -> None:
+  """`validate` at an absl script's start: a bad config ends it with one usage line."""
+  from absl import app
+  try:
+    validate(config)
+  except ConfigError as err:
+    raise app.UsageError(str(err)) from None

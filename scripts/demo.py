@@ -33,10 +33,7 @@ def main(argv):
 
   start = time.time()
   config, workdir = _CONFIG.value, _WORKDIR.value
-  try:
-    run_config.validate(config)
-  except run_config.ConfigError as err:
-    raise app.UsageError(str(err)) from None
+  run_config.validate_for_script(config)
   os.makedirs(workdir, exist_ok=True)
   task = train.prepare_task(config, workdir)
   model = run_config.build_model_config(config, task.vocab.vocab_size)

@@ -61,10 +61,7 @@ def main(argv):
   samples = _SAMPLES.value or max(config.eval.pass_k)
   num_examples = (config.eval.num_examples if _NUM_EXAMPLES.value is None
                   else _NUM_EXAMPLES.value)
-  try:
-    run_config.validate(config)
-  except run_config.ConfigError as err:
-    raise app.UsageError(str(err)) from None
+  run_config.validate_for_script(config)
   template = protocol.PROMPT_TEMPLATES[config.data.prompt_template]
   try:
     task, model, params, step = train.load_policy(config, ckpt_dir, _STEP.value, workdir)

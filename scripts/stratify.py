@@ -53,10 +53,7 @@ def main(argv):
     config.data.dir = _DATA_DIR.value
   if _SAMPLES.value < 1 or _PER_TIER.value < 1:
     raise app.UsageError("--samples and --per_tier must be >= 1")
-  try:
-    run_config.validate(config)
-  except run_config.ConfigError as err:
-    raise app.UsageError(str(err)) from None
+  run_config.validate_for_script(config)
   try:
     task, model, params, step = train.load_policy(config, ckpt_dir, _STEP.value, workdir)
     records = task.records(_SPLIT.value)

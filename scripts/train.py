@@ -25,10 +25,7 @@ def main(argv):
 
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it renames at INFO
   config = _CONFIG.value
-  try:
-    run_config.validate(config)
-  except run_config.ConfigError as err:
-    raise app.UsageError(str(err)) from None
+  run_config.validate_for_script(config)
   os.makedirs(_WORKDIR.value, exist_ok=True)
   task = train.prepare_task(config, _WORKDIR.value)
   model = run_config.build_model_config(config, task.vocab.vocab_size)
