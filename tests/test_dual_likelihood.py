@@ -65,6 +65,26 @@ def test_student_half_equals_a_plain_forward_on_the_student_sequence():
   np.testing.assert_allclose(out[0], plain, rtol=1e-5, atol=1e-5)
 
 
+
+@pytest.mark.parametrize("chunk_size", [None, 5])
+def test_scoring_from_the_prompt_width_equals_brute_force_on_the_trajectory(chunk_size):
+  params, _ = dual()
+  tokens, mask, _, _ = map(jnp.asarray, batch())
+  # Brute force: the distribution at column t - 1 scores the token at t.
+  log_p = jax.nn.log_softmax(Transformer(CONFIG).apply({"params": params}, tokens, mask).logits)
+  full = jnp.take_along_axis(log_p[:, :-1], tokens[:, 1:, None], axis=-1)[..., 0]
+  full = jnp.pad(jnp.where(mask[:, 1:] & mask[:, :-1], full, 0.0), [(0, 0), (1, 0)])
+  full_entropy = jnp.pad(-jnp.sum(jnp.exp(log_p) * log_p, -1)[:, :-1], [(0, 0), (1, 0)])
+  cut, cut_entropy = token_logprobs(params, CONFIG, tokens, mask, with_entropy=True,
+                                    chunk_size=chunk_size, score_from=WIDTH)
+  assert np.all(np.asarray(cut)[:, :WIDTH] == 0) and np.all(np.asarray(cut_entropy)[:, :WIDTH] == 0)
+  assert np.any(np.asarray(full)[:, :WIDTH] != 0)  # the prompt columns really were skipped
+  np.testing.assert_allclose(cut[:, WIDTH:], full[:, WIDTH:], rtol=1e-5, atol=1e-6)
+  real = np.asarray(mask[:, WIDTH:] & mask[:, WIDTH - 1:-1])
+  np.testing.assert_allclose(np.asarray(cut_entropy)[:, WIDTH:][real],
+                             np.asarray(full_entropy)[:, WIDTH:][real], rtol=1e-5, atol=1e-6)
+
+
 def test_teacher_half_equals_a_plain_forward_on_the_unpadded_teacher_sequence():
   params, out = dual()
   _, _, t_tokens, t_mask = batch()
