@@ -227,3 +227,22 @@ def test_init_params_matches_the_flax_init_in_structure_and_distribution():
   other = init_params(MOE, jax.random.key(1))["embedding"]
   np.testing.assert_array_equal(params["embedding"], same)
   assert not np.array_equal(params["embedding"], other)
+
+
+def test_query_blocks_equal_unblocked_attention_in_value_and_gradient():
+  from pbsd_jax.models.transformer import query_blocks
+  kq, kk, kv = jax.random.split(jax.random.key(3), 3)
+  q = jax.random.normal(kq, (2, 10, 4))  # 10 queries: blocks of 4 leave a padded last block
+  keys, values = jax.random.normal(kk, (2, 10, 4)), jax.random.normal(kv, (2, 10, 4))
+  causal = jnp.tril(jnp.ones((10, 10), bool))
+  allowed = jnp.broadcast_to(causal & (jnp.arange(10)[None, :] >= 2), (2, 10, 10))
+  allowed = allowed.at[1, :, :].set(causal)  # row 0 also masks its first two keys
+
+  def attend(q, allowed):
+    scores = jnp.where(allowed, jnp.einsum("btd,bsd->bts", q, keys), -1e30)
+    return jnp.einsum("bts,bsd->btd", jax.nn.softmax(scores, axis=-1), values)
+
+  loss = lambda q, block: jnp.sum(jnp.sin(query_blocks(attend, q, allowed, block)))
+  np.testing.assert_allclose(query_blocks(attend, q, allowed, 4), attend(q, allowed),
+                             rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(jax.grad(loss)(q, 4), jax.grad(loss)(q, 10), rtol=1e-5, atol=1e-6)
