@@ -45,6 +45,18 @@ def test_empirical_distribution_matches_softmax():
   assert np.all(np.abs(counts - p) < 5 * sigma + 1e-4), (counts, p)
 
 
+
+def test_two_stage_draw_matches_softmax_across_blocks():
+  # 10 ids in blocks of 4: three blocks, the last padded; id 5 can never be drawn.
+  logits = jnp.array([1.0, 0.0, -1.0, 2.0, 0.5, -jnp.inf, 1.5, -0.5, 0.3, 1.2])
+  n = 40_000
+  drawn = np.asarray(sampling.categorical(jax.random.key(5), jnp.broadcast_to(logits, (n, 10)), block=4))
+  counts = np.bincount(drawn, minlength=10) / n
+  p = np.asarray(jax.nn.softmax(logits))
+  sigma = np.sqrt(p * (1 - p) / n)
+  assert counts.shape == (10,) and counts[5] == 0  # nothing from padding, nothing at -inf
+  assert np.all(np.abs(counts - p) < 5 * sigma + 1e-4), (counts, p)
+
 def test_sampled_logp_is_the_temperature_scaled_log_softmax():
   logits = jnp.array([[1.0, 0.0, -1.0], [0.3, 0.2, 0.1]])
   tok, logp = sample_token(jax.random.key(3), logits, temperature=0.5)
