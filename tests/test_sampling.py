@@ -50,7 +50,8 @@ def test_two_stage_draw_matches_softmax_across_blocks():
   # 10 ids in blocks of 4: three blocks, the last padded; id 5 can never be drawn.
   logits = jnp.array([1.0, 0.0, -1.0, 2.0, 0.5, -jnp.inf, 1.5, -0.5, 0.3, 1.2])
   n = 40_000
-  drawn = np.asarray(sampling.categorical(jax.random.key(5), jnp.broadcast_to(logits, (n, 10)), block=4))
+  rows = jnp.broadcast_to(logits, (n, 10))
+  drawn = np.asarray(sampling.categorical(jax.random.key(5), rows, block=4))
   counts = np.bincount(drawn, minlength=10) / n
   p = np.asarray(jax.nn.softmax(logits))
   sigma = np.sqrt(p * (1 - p) / n)
