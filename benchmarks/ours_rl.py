@@ -2,8 +2,9 @@
 
 One RL step is one `jax.jit` program, as `pbsd_jax.train.make_rl_iteration` builds it: rollout
 (prefill + `lax.while_loop` decode of exactly `--new-tokens` tokens, temperature 1, no stop)
--> reward -> evidence (`learner.policy_batch`: the student log-prob pass, plus for PBSD the
-teacher pass of `likelihood.dual_logprobs`) -> one PPO update (`learner.ppo_update`). The
+-> reward -> evidence (`learner.policy_batch`; with one update per batch the student
+log-probs are the update's own forward, so this is PBSD's teacher pass and nothing for GRPO)
+-> one PPO update (`learner.ppo_update`). The
 breakdown jits the three parts separately. The reward is a deterministic function of the
 sampled tokens (more than half of them even), so groups have non-zero advantages.
 
@@ -61,8 +62,11 @@ def measure_step(name: str, config, params, prompts, mask, teacher, teacher_mask
   plan = learner.UpdatePlan(chunk_size=args.chunk_size)
   rollout_fn = jax.jit(functools.partial(single_turn_rollout, sampler, group=args.group,
                                          new_tokens=args.new_tokens))
-  evidence_fn = jax.jit(functools.partial(learner.policy_batch, config=config, algo=algo,
-                                          max_turns=1, chunk_size=plan.chunk_size))
+  # One update in one pass: the student log-probs come from the update's own forward
+  # (`UpdatePlan.on_policy`), so GRPO's evidence part is empty and PBSD's is the teacher pass.
+  evidence_fn = jax.jit(functools.partial(
+      learner.policy_batch, config=config, algo=algo, max_turns=1, chunk_size=plan.chunk_size,
+      on_policy=plan.on_policy(prompts.shape[0])))
   update_fn = jax.jit(functools.partial(learner.ppo_update, config=config, tx=tx, algo=algo,
                                         plan=plan))
 

@@ -10,7 +10,16 @@ of it inside the same `jax.jit`:
 `ppo_update` runs `epochs` passes over the batch, each split into `minibatches` shuffled
 mini-batches (one optimiser update each, `lax.scan`); a mini-batch's gradient is accumulated
 over micro-batches of `micro_batch_size` rows (`lax.scan`), weighted so the sum equals the
-mini-batch gradient (see `loss_weight`). An update whose loss or gradient is not finite is not
+mini-batch gradient (see `loss_weight`).
+
+On-policy shortcut (`UpdatePlan.on_policy`: one epoch, one mini-batch, one micro-batch): the
+parameters that score the "old" log-probs are the ones the single update differentiates, so
+`policy_batch` skips the student pass and the update's own forward supplies it under
+`stop_gradient` -- both as the PPO ratio's base and as `logp_student` of the advantages, which
+`policy_loss` then computes (`PolicyBatch.pending`). The result is the same update; PBSD's only
+extra pass is then the teacher forward. (TRL and Tunix do the same for one iteration.)
+
+An update whose loss or gradient is not finite is not
 applied -- parameters and optimiser state stay as they were -- and is counted in
 `skipped_updates`. The learner never branches on an algorithm's name: it reads `algo.needs` and
 `algo.distillation_beta` (the `pbsd_jax.algorithms` protocol). Rematerialisation is the model
@@ -189,6 +198,15 @@ class UpdatePlan:
     if self.chunk_size is not None and self.chunk_size < 1:
       raise ValueError(f"UpdatePlan.chunk_size must be >= 1, got {self.chunk_size}")
 
+  def on_policy(self, batch_size: int, batch_shards: int = 1) -> bool:
+    """True when a batch makes exactly one optimiser update in one forward/backward pass.
+
+    The log-probs under the pre-update parameters are then the update's own forward (module
+    docstring), so no separate pass computes them.
+    """
+    return (self.epochs == self.minibatches == 1
+            and self.micro_batches(batch_size, batch_shards)[0] == 1)
+
   def micro_batches(self, batch_size: int, batch_shards: int = 1) -> tuple[int, int]:
     """`(micro-batches per mini-batch, rows per micro-batch)` for a batch of `batch_size`.
 
@@ -222,6 +240,9 @@ class PolicyBatch:
     loss_mask: tokens that enter the loss (the algorithm's; a subset of `action_mask`).
     advantages: `f32` token advantages, 0 off `loss_mask`.
     old_logp: `f32` pre-update log-probs of the student sequence (the PPO ratio's base).
+    pending: on the on-policy path (module docstring), the algorithm's inputs still without
+      `logp_student`; `loss_mask`, `advantages` and `old_logp` are then None and
+      `policy_loss` computes them from its own forward.
     score_from: static first column the loss and the entropy metric read (the rollout's
       prompt width: action tokens lie in the trajectory), so the update's LM head skips the
       prompt region. 1 scores every column.
@@ -232,15 +253,19 @@ class PolicyBatch:
   teacher_tokens: Array
   teacher_mask: Array
   action_mask: Array
-  loss_mask: Array
-  advantages: Array
-  old_logp: Array
+  loss_mask: Array | None = None
+  advantages: Array | None = None
+  old_logp: Array | None = None
+  pending: AdvantageInputs | None = None
   score_from: int = struct.field(pytree_node=False, default=1)
 
 
 def sft_loss(params: Any, config: ModelConfig, tokens: Array, mask: Array, loss_mask: Array,
-             chunk_size: int | None = None) -> tuple[Array, dict]:
-  """Masked NLL `-sum(logp * loss_mask) / sum(loss_mask)` and metrics (`entropy`).
+             chunk_size: int | None = None) -> tuple[Array, tuple[Array, dict]]:
+  """Masked NLL `-sum(logp * loss_mask) / sum(loss_mask)`, its weight and metrics.
+
+  Returns `(loss, (weight, metrics))` as `accumulate_gradients` reads them: the weight is
+  `sum(loss_mask)`, what the mean divides by; metrics hold `entropy`.
 
   Args:
     params: model parameters.
@@ -253,45 +278,44 @@ def sft_loss(params: Any, config: ModelConfig, tokens: Array, mask: Array, loss_
                                             with_entropy=True)
   m = loss_mask.astype(jnp.float32)
   count = jnp.maximum(jnp.sum(m), 1.0)
-  return -jnp.sum(logp * m) / count, {"entropy": jnp.sum(jax.lax.stop_gradient(entropy) * m)
-                                                 / count}
+  return -jnp.sum(logp * m) / count, (jnp.sum(m), {
+      "entropy": jnp.sum(jax.lax.stop_gradient(entropy) * m) / count})
 
 
-def accumulate_gradients(loss_fn: Callable[[Any, Any], tuple[Array, dict]], params: Any,
-                         micro_batches: Any, weights: Array) -> tuple[Array, Any, dict]:
+def accumulate_gradients(loss_fn: Callable[[Any, Any], tuple[Array, tuple[Array, dict]]],
+                         params: Any, micro_batches: Any) -> tuple[Array, Any, dict, Array]:
   """Loss, gradient and metrics of a mini-batch from its micro-batches (`lax.scan`).
 
-  `loss_fn(params, micro)` returns a scalar loss that is a mean over the micro-batch and a
-  dict of scalar metrics; micro-batch k contributes with weight `weights[k] / sum(weights)`,
-  which makes the result the mini-batch's own mean when `weights` count what the mean
-  divides by (tokens for a token mean, rows for a sequence mean; `loss_weight`).
+  `loss_fn(params, micro)` returns `(loss, (weight, metrics))`: a scalar loss that is a mean
+  over `weight` items of the micro-batch (loss tokens for a token mean, rows with loss tokens
+  for a sequence mean; `loss_weight`) and a dict of scalar metrics. Micro-batch k counts with
+  `weight_k / sum(weight)`, which makes the result the mini-batch's own mean.
 
   Args:
-    loss_fn: `(params, micro) -> (loss, metrics)`.
+    loss_fn: `(params, micro) -> (loss, (weight, metrics))`.
     params: the parameters to differentiate.
     micro_batches: pytree of `[n_micro, micro, ...]` arrays.
-    weights: `f32[n_micro]` >= 0.
 
   Returns:
-    `(loss, grads, metrics)`, each the weighted sum over micro-batches (0 if all weights are 0).
+    `(loss, grads, metrics, weight)`: the first three weighted means over micro-batches (0 if
+    every weight is 0), then the total weight (0: the mini-batch has no loss item).
   """
-  share = weights / jnp.maximum(jnp.sum(weights), 1e-12)
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
-  def body(acc, xs):
-    micro, w = xs
-    (loss, metrics), grads = grad_fn(params, micro)
+  def body(acc, micro):
+    (loss, (w, metrics)), grads = grad_fn(params, micro)
     # Zero-weight micro-batches are dropped with `where`, so a NaN there cannot leak in.
     scale = lambda x: jnp.where(w > 0, x * w, jnp.zeros_like(x))
-    acc = jax.tree.map(lambda a, x: a + scale(x), acc, (loss, grads, metrics))
-    return acc, None
+    sums, total = acc
+    sums = jax.tree.map(lambda a, x: a + scale(x), sums, (loss, grads, metrics))
+    return (sums, total + w), None
 
   first = jax.tree.map(lambda x: x[0], micro_batches)
-  shapes = jax.eval_shape(grad_fn, params, first)
-  (loss0, metrics0), grads0 = shapes
+  (loss0, (_, metrics0)), grads0 = jax.eval_shape(grad_fn, params, first)
   zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss0, grads0, metrics0))
-  (loss, grads, metrics), _ = jax.lax.scan(body, zeros, (micro_batches, share))
-  return loss, grads, metrics
+  (sums, total), _ = jax.lax.scan(body, (zeros, jnp.float32(0.0)), micro_batches)
+  loss, grads, metrics = jax.tree.map(lambda x: x / jnp.maximum(total, 1e-12), sums)
+  return loss, grads, metrics, total
 
 
 def apply_update(params: Any, opt_state: Any, grads: Any, loss: Array,
@@ -357,11 +381,10 @@ def sft_step(state: TrainState, tokens: Array, mask: Array, loss_mask: Array, *,
   batch = _split_micro((tokens, mask, loss_mask), n_micro, micro)
   if micro_sharding is not None:
     batch = jax.lax.with_sharding_constraint(batch, micro_sharding)
-  weights = jnp.sum(batch[2], axis=(1, 2)).astype(jnp.float32)
   loss_fn = lambda p, b: sft_loss(p, config, *b, chunk_size=plan.chunk_size)
-  loss, grads, metrics = accumulate_gradients(loss_fn, state.params, batch, weights)
+  loss, grads, metrics, weight = accumulate_gradients(loss_fn, state.params, batch)
   params, opt_state, update = apply_update(state.params, state.opt_state, grads, loss, tx,
-                                           jnp.sum(weights) > 0)
+                                           weight > 0)
   new_state = state.replace(params=params, opt_state=opt_state, step=state.step + 1)
   return new_state, {"loss": loss, **metrics, "grad_norm": update["grad_norm"],
                      "learning_rate": learning_rate(opt_state),
@@ -369,44 +392,50 @@ def sft_step(state: TrainState, tokens: Array, mask: Array, loss_mask: Array, *,
 
 
 def loss_weight(aggregation: str, loss_mask: Array) -> Array:
-  """`f32[n]` what each micro-batch's loss is a mean over (`accumulate_gradients` weights).
+  """`f32[]` what a policy loss over `loss_mask: bool[B, T]` is a mean over.
 
   `token-mean` divides by the loss tokens; the `seq-mean-*` modes by the rows that have loss
-  tokens (`pbsd_jax.algorithms.policy_loss`). With these weights the accumulated loss and
-  gradient equal the mini-batch's exactly.
-
-  Args:
-    aggregation: the algorithm's aggregation mode.
-    loss_mask: `bool[n, micro, T]`.
+  tokens (`pbsd_jax.algorithms.policy_loss`). Weighting micro-batches by it makes the
+  accumulated loss and gradient equal the mini-batch's exactly (`accumulate_gradients`).
   """
   if aggregation == "token-mean":
-    return jnp.sum(loss_mask, axis=(1, 2)).astype(jnp.float32)
-  return jnp.sum(jnp.any(loss_mask, axis=2), axis=1).astype(jnp.float32)
+    return jnp.sum(loss_mask).astype(jnp.float32)
+  return jnp.sum(jnp.any(loss_mask, axis=-1)).astype(jnp.float32)
 
 
 def policy_loss(params: Any, batch: PolicyBatch, *, config: ModelConfig, algo: Any,
                 chunk_size: int | None = None, teacher_params: Any = None
-                ) -> tuple[Array, dict]:
-  """The algorithm's loss of `batch` under `params`, with the `entropy` metric.
+                ) -> tuple[Array, tuple[Array, dict]]:
+  """The algorithm's loss of `batch` under `params`, its weight and metrics.
 
-  Entropy is the student's next-token entropy, token-mean over `action_mask`. A distillation
-  algorithm (`algo.distillation_beta` set, OPSD) also gets the per-token divergence against
-  `teacher_params` on the teacher sequence.
+  Returns `(loss, (weight, metrics))` as `accumulate_gradients` reads them: `weight` is
+  `loss_weight` of the loss mask; metrics hold the algorithm's loss metrics and `entropy`,
+  the student's next-token entropy, token-mean over `action_mask`. A distillation algorithm
+  (`algo.distillation_beta` set, OPSD) also gets the per-token divergence against
+  `teacher_params` on the teacher sequence. On the on-policy path (`batch.pending`) the
+  advantages are computed here from this forward's log-probs, and their metrics join the
+  loss's.
   """
   logp, entropy = likelihood.token_logprobs(params, config, batch.tokens, batch.mask,
                                             chunk_size=chunk_size, with_entropy=True,
                                             score_from=batch.score_from)
+  old_logp, advantages, loss_mask, metrics = (batch.old_logp, batch.advantages,
+                                              batch.loss_mask, {})
+  if batch.pending is not None:
+    old_logp = jax.lax.stop_gradient(logp)
+    advantages, loss_mask, metrics = algo.advantages(batch.pending.replace(
+        logp_student=old_logp))
   divergence = None
   if algo.distillation_beta is not None:
     divergence = likelihood.token_divergence(
         params, teacher_params, config, batch.tokens, batch.mask, batch.teacher_tokens,
         batch.teacher_mask, beta=algo.distillation_beta, chunk_size=chunk_size)
-  loss, metrics = algo.loss(logp, batch.old_logp, batch.advantages, batch.loss_mask,
-                            divergence=divergence)
+  loss, loss_metrics = algo.loss(logp, old_logp, advantages, loss_mask, divergence=divergence)
   action = batch.action_mask.astype(jnp.float32)
-  metrics = {**metrics, "entropy": jnp.sum(jax.lax.stop_gradient(entropy) * action)
+  metrics = {**metrics, **loss_metrics,
+             "entropy": jnp.sum(jax.lax.stop_gradient(entropy) * action)
              / jnp.maximum(jnp.sum(action), 1.0)}
-  return loss, metrics
+  return loss, (loss_weight(algo.aggregation, loss_mask), metrics)
 
 
 def ppo_update(state: TrainState, batch: PolicyBatch, *, config: ModelConfig,
@@ -438,22 +467,30 @@ def ppo_update(state: TrainState, batch: PolicyBatch, *, config: ModelConfig,
   b = batch.tokens.shape[0]
   n_micro, micro = plan.micro_batches(b, _shards(micro_sharding))
   rng, shuffle_rng = jax.random.split(state.rng)
-  orders = [jax.random.permutation(jax.random.fold_in(shuffle_rng, e), b)
-            for e in range(plan.epochs)]
-  # [updates, n_micro, micro] row indices: epoch-major, then mini-batch.
-  order = jnp.stack(orders).reshape(plan.epochs * plan.minibatches, n_micro, micro)
+  if batch.pending is not None:
+    if not plan.on_policy(b, _shards(micro_sharding)):
+      raise ValueError(f"a PolicyBatch with pending advantages needs one update in one pass "
+                       f"(UpdatePlan.on_policy), got {plan}")
+    # The rows stay in order: the advantages are computed in the loss, over whole groups.
+    order = jnp.arange(b).reshape(1, 1, b)
+  else:
+    orders = [jax.random.permutation(jax.random.fold_in(shuffle_rng, e), b)
+              for e in range(plan.epochs)]
+    # [updates, n_micro, micro] row indices: epoch-major, then mini-batch.
+    order = jnp.stack(orders).reshape(plan.epochs * plan.minibatches, n_micro, micro)
   loss_fn = functools.partial(policy_loss, config=config, algo=algo,
                               chunk_size=plan.chunk_size, teacher_params=teacher_params)
 
   def update(carry, rows):
     params, opt_state = carry
-    micro_batches = jax.tree.map(lambda x: x[rows], batch)
+    if batch.pending is None:
+      micro_batches = jax.tree.map(lambda x: x[rows], batch)
+    else:  # The whole batch as one micro-batch, rows in order (`order` is the identity).
+      micro_batches = jax.tree.map(lambda x: x[None], batch)
     if micro_sharding is not None:
       micro_batches = jax.lax.with_sharding_constraint(micro_batches, micro_sharding)
-    weights = loss_weight(algo.aggregation, micro_batches.loss_mask)
-    loss, grads, metrics = accumulate_gradients(loss_fn, params, micro_batches, weights)
-    params, opt_state, info = apply_update(params, opt_state, grads, loss, tx,
-                                           jnp.sum(weights) > 0)
+    loss, grads, metrics, weight = accumulate_gradients(loss_fn, params, micro_batches)
+    params, opt_state, info = apply_update(params, opt_state, grads, loss, tx, weight > 0)
     return (params, opt_state), {"loss": loss, **metrics, **info}
 
   (params, opt_state), per_update = jax.lax.scan(update, (state.params, state.opt_state),
@@ -471,13 +508,20 @@ def ppo_update(state: TrainState, batch: PolicyBatch, *, config: ModelConfig,
 
 def policy_batch(params: Any, rollout: Any, teacher_prompt: Array, teacher_prompt_mask: Array,
                  step: Array, *, config: ModelConfig, algo: Any, max_turns: int,
-                 chunk_size: int | None = None) -> tuple[PolicyBatch, dict]:
+                 chunk_size: int | None = None, on_policy: bool = False
+                 ) -> tuple[PolicyBatch, dict]:
   """The evidence pass: pre-update log-probs -> the algorithm's token advantages.
 
   One forward per condition with the current parameters, never the sampler's log-probs
   (DESIGN §2 "Non-replay evidence recomputation"): `dual_logprobs` when the algorithm reads
   the teacher log-probs (its student half is the PPO old log-probs), the student pass alone
   otherwise; plus `token_divergence` when the algorithm needs the divergence or entropy.
+  Log-probs are scored from the rollout's prompt width on (the trajectory: every action token
+  lies there), 0 before it.
+
+  With `on_policy` (the plan makes one update in one pass, `UpdatePlan.on_policy`) the
+  student pass is left to the update's own forward: the batch carries the advantage inputs
+  as `pending` and the advantages' metrics come from `ppo_update`.
 
   Args:
     params: the pre-update parameters.
@@ -489,22 +533,26 @@ def policy_batch(params: Any, rollout: Any, teacher_prompt: Array, teacher_promp
     algo: a `pbsd_jax.algorithms` algorithm.
     max_turns: K, the rollout's static number of turn slots.
     chunk_size: LM-head chunk over the sequence.
+    on_policy: leave the student log-probs to the update (see above).
 
   Returns:
-    `(PolicyBatch, metrics)`: the algorithm's advantage metrics plus `accuracy` (mean
-    reward), `mean_turns` and `mean_action_tokens` of the rollout.
+    `(PolicyBatch, metrics)`: the algorithm's advantage metrics (none when `on_policy`) plus
+    `accuracy` (mean reward), `mean_turns` and `mean_action_tokens` of the rollout.
   """
   tokens, mask = rollout.tokens, rollout.mask
   teacher_tokens, teacher_mask = privileged.teacher_sequence(tokens, mask, teacher_prompt,
                                                              teacher_prompt_mask)
-  logp_teacher = divergence = entropy = None
-  if "logp_teacher" in algo.needs:
+  score = functools.partial(likelihood.token_logprobs, params, config, chunk_size=chunk_size,
+                            score_from=rollout.prompt_width)
+  logp_student = logp_teacher = divergence = entropy = None
+  if "logp_teacher" in algo.needs and not on_policy:
     logp = likelihood.dual_logprobs(params, config, tokens, mask, teacher_tokens, teacher_mask,
-                                    chunk_size=chunk_size)
+                                    chunk_size=chunk_size, score_from=rollout.prompt_width)
     logp_student, logp_teacher = logp[0], logp[1]
-  else:
-    logp_student = jax.lax.stop_gradient(
-        likelihood.token_logprobs(params, config, tokens, mask, chunk_size=chunk_size))
+  elif "logp_teacher" in algo.needs:
+    logp_teacher = jax.lax.stop_gradient(score(teacher_tokens, teacher_mask))
+  elif not on_policy:
+    logp_student = jax.lax.stop_gradient(score(tokens, mask))
   if algo.needs & {"divergence", "entropy"}:
     divergence, entropy = jax.lax.stop_gradient(likelihood.token_divergence(
         params, params, config, tokens, mask, teacher_tokens, teacher_mask, beta=1.0,
@@ -513,11 +561,14 @@ def policy_batch(params: Any, rollout: Any, teacher_prompt: Array, teacher_promp
                            turn_ids=rollout.turn_ids, step=step, max_turns=max_turns,
                            logp_student=logp_student, logp_teacher=logp_teacher,
                            divergence=divergence, entropy=entropy)
-  advantages, loss_mask, metrics = algo.advantages(inputs)
   batch = PolicyBatch(tokens=tokens, mask=mask, teacher_tokens=teacher_tokens,
                       teacher_mask=teacher_mask, action_mask=rollout.action_mask.astype(bool),
-                      loss_mask=loss_mask, advantages=advantages, old_logp=logp_student,
                       score_from=rollout.prompt_width)
+  if on_policy:
+    batch, metrics = batch.replace(pending=inputs), {}
+  else:
+    advantages, loss_mask, metrics = algo.advantages(inputs)
+    batch = batch.replace(loss_mask=loss_mask, advantages=advantages, old_logp=logp_student)
   metrics = {**metrics, "accuracy": jnp.mean(rollout.reward.astype(jnp.float32)),
              "mean_turns": jnp.mean(rollout.num_turns.astype(jnp.float32)),
              "mean_action_tokens": jnp.mean(rollout.num_action_tokens.astype(jnp.float32))}
@@ -535,9 +586,10 @@ def rl_step(state: TrainState, rollout: Any, teacher_prompt: Array, teacher_prom
   Returns:
     `(new state, metrics)`: the union of both functions' metrics.
   """
+  on_policy = plan.on_policy(rollout.tokens.shape[0], _shards(micro_sharding))
   batch, adv_metrics = policy_batch(state.params, rollout, teacher_prompt, teacher_prompt_mask,
                                     state.step, config=config, algo=algo, max_turns=max_turns,
-                                    chunk_size=plan.chunk_size)
+                                    chunk_size=plan.chunk_size, on_policy=on_policy)
   state, metrics = ppo_update(state, batch, config=config, tx=tx, algo=algo, plan=plan,
                               teacher_params=teacher_params, micro_sharding=micro_sharding)
   return state, {**adv_metrics, **metrics}

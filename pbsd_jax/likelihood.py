@@ -114,7 +114,7 @@ def token_logprobs(params: Any, config: ModelConfig, tokens: Array, mask: Array,
 
 def dual_logprobs(params: Any, config: ModelConfig, student_tokens: Array, student_mask: Array,
                   teacher_tokens: Array, teacher_mask: Array, *, chunk_size: int | None = None,
-                  routes: Array | None = None) -> Array:
+                  routes: Array | None = None, score_from: int = 1) -> Array:
   """Student and teacher log-probs of the same trajectory, `f32[2, B, T]`, no gradient.
 
   DESIGN §2 "Non-replay evidence recomputation": one forward with the current parameters over
@@ -132,6 +132,7 @@ def dual_logprobs(params: Any, config: ModelConfig, student_tokens: Array, stude
     chunk_size: LM-head chunk over the sequence (see `token_logprobs`).
     routes: MoE routes to replay (ablation only): `i32[layers, B, T, k]` for both conditions
       or `i32[2, layers, B, T, k]` per condition. None (default) routes afresh.
+    score_from: static first column scored (see `logprobs_from_hidden`).
 
   Returns:
     `f32[2, B, T]` under `stop_gradient`.
@@ -142,7 +143,8 @@ def dual_logprobs(params: Any, config: ModelConfig, student_tokens: Array, stude
   tokens = jnp.stack([student_tokens, teacher_tokens])
   mask = jnp.stack([student_mask, teacher_mask]).astype(bool)
   route_axis = None if routes is None or routes.ndim == 4 else 0
-  one = lambda t, m, r: token_logprobs(params, config, t, m, chunk_size=chunk_size, routes=r)
+  one = lambda t, m, r: token_logprobs(params, config, t, m, chunk_size=chunk_size, routes=r,
+                                       score_from=score_from)
   return jax.lax.stop_gradient(jax.vmap(one, in_axes=(0, 0, route_axis))(tokens, mask, routes))
 
 
