@@ -47,7 +47,7 @@ run() {  # run NAME SCRIPT ARGS...: one process, its RESULT line kept in $OUT/NA
   "$PY" "$@" | tee "$OUT/$name.log" | tail -n 1 | sed 's/^RESULT //' > "$OUT/$name.json"
 }
 COMMON=(--size "$SIZE" --dtype "$DTYPE")
-run rl benchmarks/ours_rl.py "${COMMON[@]}"
+run rl benchmarks/ours_rl.py "${COMMON[@]}" --chunk-size 64  # 16 suits a CPU cache, not a GPU
 read -r -a MFU_ARGS <<< "${MFU_ARGS:---rows 32 --seq 1024 --micro 8 --chunk 512}"
 run mfu benchmarks/ours_mfu.py "${COMMON[@]}" "${MFU_ARGS[@]}"
 read -r -a MEMORY_ARGS <<< "${MEMORY_ARGS:-}"

@@ -59,7 +59,7 @@ def measure_step(name: str, config, params, prompts, mask, teacher, teacher_mask
   sampler = Sampler(config, temperature=1.0)
   algo = algorithms.get(name)
   tx = learner.make_optimizer(1e-6)
-  plan = learner.UpdatePlan(chunk_size=args.chunk_size)
+  plan = learner.UpdatePlan(chunk_size=args.chunk_size or None)
   rollout_fn = jax.jit(functools.partial(single_turn_rollout, sampler, group=args.group,
                                          new_tokens=args.new_tokens))
   # One update in one pass: the student log-probs come from the update's own forward
@@ -127,7 +127,10 @@ def main():
   p = ours_common.parser(__doc__)
   p.add_argument("--group", type=int, default=8, help="generations per prompt (G)")
   p.add_argument("--new-tokens", type=int, default=128)
-  p.add_argument("--chunk-size", type=int, default=None, help="LM-head chunk (None: whole)")
+  # 16 positions x 64 rows: [1024, 8192] f32 logits (32 MB) per LM-head chunk, which a CPU's
+  # last-level cache holds; on this 2-core CPU the step is ~8% faster than one unchunked head.
+  p.add_argument("--chunk-size", type=int, default=16,
+                 help="LM-head chunk in positions (0: the whole sequence at once)")
   p.add_argument("--only", choices=("sampler", "grpo", "pbsd"), action="append",
                  help="measure only these (repeatable; default all)")
   args = p.parse_args()
