@@ -487,8 +487,10 @@ def ppo_update(state: TrainState, batch: PolicyBatch, *, config: ModelConfig,
       micro_batches = jax.tree.map(lambda x: x[rows], batch)
     else:  # The whole batch as one micro-batch, rows in order (`order` is the identity).
       micro_batches = jax.tree.map(lambda x: x[None], batch)
-    if micro_sharding is not None:
-      micro_batches = jax.lax.with_sharding_constraint(micro_batches, micro_sharding)
+    if micro_sharding is not None:  # Rows over the data axes (not the pending scalar step).
+      micro_batches = jax.tree.map(
+          lambda x: jax.lax.with_sharding_constraint(x, micro_sharding) if x.ndim > 1 else x,
+          micro_batches)
     loss, grads, metrics, weight = accumulate_gradients(loss_fn, params, micro_batches)
     params, opt_state, info = apply_update(params, opt_state, grads, loss, tx, weight > 0)
     return (params, opt_state), {"loss": loss, **metrics, **info}

@@ -146,6 +146,24 @@ def test_rl_step_on_a_2x2x2_mesh_matches_one_device_and_shards_big_params():
   sharding.assert_params_sufficiently_sharded(state.params, mesh)
 
 
+def test_on_policy_rl_step_on_a_2x2x2_mesh_matches_one_device():
+  """One update in one pass: the advantages are computed inside the sharded loss."""
+  config, tx, algo = mw.make_config(), mw.make_tx(), mw.make_algo()
+  plan = learner.UpdatePlan(chunk_size=8)
+  mesh = sharding.make_mesh(2, 2, 2)
+  assert plan.on_policy(mw.BATCH, sharding.num_batch_shards(mesh))
+  rollout = mw.make_rollout(10)
+  state = mw.initial_state(tx, learner.train_state_shardings(config, tx, mesh))
+  state, metrics = learner.make_rl_step(config, tx, algo, mw.MAX_TURNS, plan, mesh)(
+      state, *rollout)
+  ref, ref_metrics = learner.make_rl_step(config, tx, algo, mw.MAX_TURNS, plan)(
+      mw.initial_state(tx), *rollout)
+  assert np.max(np.abs(np.asarray(ref.params["lm_head"])
+                       - np.asarray(mw.initial_state(tx).params["lm_head"]))) > 1e-4
+  _assert_same_run(state.params, [metrics], jax.device_get(ref.params),
+                   [jax.device_get(ref_metrics)])
+
+
 def _free_port():
   with socket.socket() as s:
     s.bind(("localhost", 0))
