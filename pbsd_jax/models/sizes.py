@@ -8,7 +8,8 @@ SIZES = {
     # CPU: trains in minutes on the embedded task.
     "tiny": dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=512,
                  tie_embeddings=True, rope_theta=10_000.0),
-    # Accelerator shapes of public checkpoints (load weights with --config.model.hf_dir).
+    # Accelerator shapes of public checkpoints (weights: scripts/convert_hf.py, then
+    # --config.model.init_dir=DIR).
     "qwen2.5-0.5b": dict(vocab_size=151_936, hidden_size=896, num_layers=24, num_heads=14,
                          num_kv_heads=2, head_dim=64, mlp_dim=4864, qkv_bias=True,
                          tie_embeddings=True, rope_theta=1_000_000.0, rms_norm_eps=1e-6),
