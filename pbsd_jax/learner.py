@@ -471,7 +471,9 @@ def ppo_update(state: TrainState, batch: PolicyBatch, *, config: ModelConfig,
     if not plan.on_policy(b, _shards(micro_sharding)):
       raise ValueError(f"a PolicyBatch with pending advantages needs one update in one pass "
                        f"(UpdatePlan.on_policy), got {plan}")
-    # The rows stay in order: the advantages are computed in the loss, over whole groups.
+    # One update on the whole batch, rows in order (the advantages are computed in the loss,
+    # over whole groups); `update` takes the batch as it is and `order` only sets the scan's
+    # length.
     order = jnp.arange(b).reshape(1, 1, b)
   else:
     orders = [jax.random.permutation(jax.random.fold_in(shuffle_rng, e), b)
@@ -485,7 +487,7 @@ def ppo_update(state: TrainState, batch: PolicyBatch, *, config: ModelConfig,
     params, opt_state = carry
     if batch.pending is None:
       micro_batches = jax.tree.map(lambda x: x[rows], batch)
-    else:  # The whole batch as one micro-batch, rows in order (`order` is the identity).
+    else:  # The whole batch as one micro-batch (the scalar `pending.step` has no rows).
       micro_batches = jax.tree.map(lambda x: x[None], batch)
     if micro_sharding is not None:  # Rows over the data axes (not the pending scalar step).
       micro_batches = jax.tree.map(
