@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pbsd_jax import credit
-from pbsd_jax.data.records import iter_jsonl
+from pbsd_jax.jsonl import iter_jsonl
 from pbsd_jax.rollout import Rollout
 
 DEFAULT_PLOT_KEYS = {

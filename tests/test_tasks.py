@@ -10,6 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 import seqio
 
+from pbsd_jax import jsonl
 from pbsd_jax.data import records
 from pbsd_jax.data import tasks
 from pbsd_jax.env import protocol
@@ -123,10 +124,10 @@ def test_malformed_parquet_names_file_row_and_field(tmp_path, vocab):
 def test_iter_jsonl_skips_blank_lines_but_counts_them(tmp_path):
   path = tmp_path / "rows.jsonl"
   path.write_text('{"a": 1}\n\n   \n[2]\n')
-  assert list(records.iter_jsonl(str(path))) == [(1, {"a": 1}), (4, [2])]
+  assert list(jsonl.iter_jsonl(str(path))) == [(1, {"a": 1}), (4, [2])]
   path.write_text('{"a": 1}\n\n{"a": \n')
   with pytest.raises(ValueError, match=f"^{re.escape(str(path))}, line 3: invalid JSON: "):
-    list(records.iter_jsonl(str(path)))
+    list(jsonl.iter_jsonl(str(path)))
 
 
 def test_malformed_sft_record_names_the_field(tmp_path):

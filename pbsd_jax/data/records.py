@@ -4,14 +4,15 @@ A record needs `question` (a non-empty string) and `golden_answers` (a non-empty
 non-empty strings); our files add `hops`, `tier` and, for SFT, `actions`, `gold_doc_ids`,
 `detour_turns`. Every problem raises `ValueError("{file}, line {n}: field '{name}': ...")`
 (1-based lines; "row" for parquet) before any tf.data pipeline is built, so a bad file fails
-at start-up, not mid-run. `iter_jsonl` is the line reader behind it, shared with the corpus
-reader (`env/host_bm25.py`); this module imports neither TensorFlow nor JAX.
+at start-up, not mid-run. JSONL lines come from `pbsd_jax.jsonl.iter_jsonl`; this module
+imports neither TensorFlow nor JAX.
 """
 
 from __future__ import annotations
 
-import json
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
+
+from pbsd_jax.jsonl import iter_jsonl
 
 SEARCH_R1_FIELDS = ("question", "golden_answers")
 QUESTION_FIELDS = SEARCH_R1_FIELDS + ("hops", "tier")
@@ -81,25 +82,6 @@ def validate_record(record: Any, required: Sequence[str], where: str) -> dict[st
         raise ValueError(f"{where}: field {field!r}: has {len(record[field])} entries for "
                          f"{len(record['actions'])} actions")
   return record
-
-
-def iter_jsonl(path: str) -> Iterator[tuple[int, Any]]:
-  """`(line_number, value)` for every non-blank line of a JSONL file, parsed.
-
-  Line numbers are 1-based and count the skipped blank lines, so they match an editor's.
-
-  Raises:
-    ValueError: `"{path}, line {n}: invalid JSON: {reason}"` for a line that does not parse.
-  """
-  with open(path, encoding="utf-8") as f:
-    for n, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        value = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path}, line {n}: invalid JSON: {e.msg}") from None
-      yield n, value
 
 
 def _parquet_rows(path: str) -> list[Any]:

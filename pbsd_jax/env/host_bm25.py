@@ -16,8 +16,8 @@ import json
 import os
 from typing import TYPE_CHECKING, Sequence
 
-from pbsd_jax.data.records import iter_jsonl
 from pbsd_jax.env.retriever import Document, check_k
+from pbsd_jax.jsonl import iter_jsonl
 
 if TYPE_CHECKING:
   import bm25s
