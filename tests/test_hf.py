@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
+from safetensors import safe_open
 
 from pbsd_jax.models import hf, safetensors_io
 from pbsd_jax.models.config import ModelConfig
@@ -260,11 +261,11 @@ def test_single_file_and_sharded_saves_write_the_expected_files(tmp_path):
 
 def _rewrite_single_file(path, change):
   """Applies `change(dict name -> array)` to a single-file checkpoint at `path`."""
-  source = safetensors_io.SafetensorsFile(os.path.join(path, safetensors_io.SINGLE_FILE))
-  tensors = {name: np.array(source.array(name)) for name in source.names()}
-  del source
+  file = os.path.join(path, safetensors_io.SINGLE_FILE)
+  with safe_open(file, framework="numpy") as source:
+    tensors = {name: source.get_tensor(name) for name in source.keys()}
   change(tensors)
-  safetensors_io.write_safetensors(os.path.join(path, safetensors_io.SINGLE_FILE), tensors)
+  safetensors_io.write_file(file, tensors)
 
 
 @pytest.fixture

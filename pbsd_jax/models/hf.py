@@ -15,8 +15,8 @@ leading axes. One `_Layout` per parameter states the mapping
 and is used in both directions, and for slices: with a sharding, each device reads only the
 rows of the memory-mapped safetensors files that its shard needs.
 
-The files themselves are read and written by `safetensors_io` with numpy alone, so `load`/`save`
-need neither torch nor transformers. Chat templates live in `chat_template`.
+The files themselves are read and written through the `safetensors` library by `safetensors_io`,
+so `load`/`save` need neither torch nor transformers. Chat templates live in `chat_template`.
 """
 
 from __future__ import annotations
@@ -239,7 +239,8 @@ class _Layout:
   def hf_name(self, index: tuple[int, ...]) -> str:
     return self.name.format(**dict(zip(("layer", "expert"), index)))
 
-  def read(self, checkpoint: safetensors_io.SafetensorsCheckpoint, index: tuple[slice, ...] | None = None) -> np.ndarray:
+  def read(self, checkpoint: safetensors_io.SafetensorsCheckpoint,
+           index: tuple[slice, ...] | None = None) -> np.ndarray:
     """Our parameter, or the slice `index` of it, read from `checkpoint`."""
     index = tuple(index or ()) + (slice(None),) * (len(self.shape) - len(index or ()))
     ranges = [range(*s.indices(n)) for s, n in zip(index, self.shape)]
@@ -249,12 +250,13 @@ class _Layout:
     flat_ranges = [None] * len(block_ranges)
     for our_axis, flat_axis in enumerate(self.perm):
       flat_ranges[flat_axis] = block_ranges[our_axis]
-    blocks = [self._read_block(checkpoint.array(self.hf_name(ids), self.expected_hf_shape),
+    blocks = [self._read_block(checkpoint.tensor(self.hf_name(ids), self.expected_hf_shape),
                                flat_ranges)
               for ids in itertools.product(*stack_ranges)]
     return np.stack(blocks).reshape(tuple(len(r) for r in ranges))
 
-  def _read_block(self, tensor: np.ndarray, flat_ranges: list[range]) -> np.ndarray:
+  def _read_block(self, tensor: safetensors_io.LazyTensor,
+                  flat_ranges: list[range]) -> np.ndarray:
     # Each HF axis is read as one contiguous run covering its outer split range; the inner
     # split axes are then cut after the reshape.
     hf_index, inner_cuts, grouped = [], [], []
@@ -395,7 +397,7 @@ def load(path: str, *, mesh: jax.sharding.Mesh | None = None, shardings: Shardin
   config = config_from_hf(hf, param_dtype, dtype)
   checkpoint = safetensors_io.SafetensorsCheckpoint(path)
   for name in _output_bias_names(config, arch):
-    if np.any(checkpoint.array(name, (config.hidden_size,))):
+    if np.any(checkpoint.tensor(name, (config.hidden_size,))[:]):
       raise ValueError(f"tensor {name} is nonzero: an output-projection bias is not "
                        "representable in ModelConfig")
   fused = "model.layers.0.mlp.experts.gate_up_proj" in checkpoint
@@ -483,7 +485,7 @@ def save(config: ModelConfig, params: Any, path: str, *, architecture: str | Non
       weight_map[hf_name] = file_name
       total += tensors[hf_name].nbytes
     if writer:
-      safetensors_io.write_safetensors(os.path.join(path, file_name), tensors)
+      safetensors_io.write_file(os.path.join(path, file_name), tensors)
   if writer and len(shards) > 1:
     safetensors_io.write_index(path, weight_map, total)
 

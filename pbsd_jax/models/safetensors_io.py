@@ -1,14 +1,19 @@
-"""The safetensors checkpoint format, read and written with numpy alone.
+"""Checkpoint directories of safetensors files: one file, or shards listed in an index.
 
-A `.safetensors` file is an 8-byte little-endian header length, a JSON header (tensor name ->
-dtype, shape and byte range in the data section, plus an optional `__metadata__`), then the raw
-little-endian tensor bytes. A checkpoint is either one `model.safetensors`, or several
-`model-0000i-of-0000N.safetensors` shards whose tensor -> file map is
-`model.safetensors.index.json`.
+A checkpoint is either one `model.safetensors`, or several `model-0000i-of-0000N.safetensors`
+shards whose tensor -> file map is `model.safetensors.index.json`.
 
-Files are memory-mapped, so slicing a tensor reads only the pages it covers. numpy (+ `ml_dtypes`
-for bfloat16, which the `safetensors` package cannot hand to numpy) is all this needs: neither
-torch nor transformers.
+Each file is read and written by the `safetensors` library, without torch:
+`safe_open(..., framework="numpy")` memory-maps it and `get_slice` reads only the bytes a slice
+covers; `safetensors.numpy.save_file` writes one. Checked with safetensors 0.8.0, bfloat16 goes
+through these two bit-exactly both ways (files written by torch included), but only once
+`ml_dtypes` is imported: the library asks numpy for a dtype named 'bfloat16', which `ml_dtypes`
+registers, so this module imports it. (Not used here: `safetensors.numpy.load` of bytes, which
+has no BF16 entry in 0.8.0.) `save_file` writes an array's memory as it lies, whatever its
+strides, so `write_file` makes every array contiguous first.
+
+What the library has no notion of is the directory: the index, the split into shards and their
+file names, and load errors that name the tensor and the shape expected. That is the code here.
 """
 
 from __future__ import annotations
@@ -18,110 +23,64 @@ import os
 import re
 from typing import Any, Sequence
 
-import ml_dtypes
+import ml_dtypes  # pylint: disable=unused-import  # registers numpy's 'bfloat16' (see above)
 import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
-_ST_DTYPES = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
-              "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype("<i8"),
-              "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
-              "U8": np.dtype("u1"), "BOOL": np.dtype("?")}
-_ST_NAMES = {dtype: name for name, dtype in _ST_DTYPES.items()}
-
-
-class SafetensorsFile:
-  """One memory-mapped `.safetensors` file; slicing an `array` reads only the pages it needs."""
-
-  def __init__(self, path: str):
-    self.path = path
-    with open(path, "rb") as f:
-      header_size = int.from_bytes(f.read(8), "little")
-      try:
-        header = json.loads(f.read(header_size))
-      except ValueError as e:
-        raise ValueError(f"{path}: not a safetensors file (unreadable header: {e})") from None
-    header.pop("__metadata__", None)
-    self._entries = header
-    self._data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + header_size) if any(
-        e["data_offsets"][1] > e["data_offsets"][0] for e in header.values()) else None
-
-  def names(self) -> list[str]:
-    return list(self._entries)
-
-  def __contains__(self, name: str) -> bool:
-    return name in self._entries
-
-  def shape(self, name: str) -> tuple[int, ...]:
-    return tuple(self._entries[name]["shape"])
-
-  def array(self, name: str) -> np.ndarray:
-    """A lazy (memory-mapped) view of tensor `name`."""
-    entry = self._entries[name]
-    if entry["dtype"] not in _ST_DTYPES:
-      raise ValueError(f"{self.path}: tensor {name} has unsupported dtype {entry['dtype']}")
-    begin, end = entry["data_offsets"]
-    if begin == end:
-      return np.zeros(entry["shape"], _ST_DTYPES[entry["dtype"]])
-    return self._data[begin:end].view(_ST_DTYPES[entry["dtype"]]).reshape(entry["shape"])
-
-
-def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
-  """Writes `tensors` (name -> array) as one `.safetensors` file (format tag "pt")."""
-  header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-  offset = 0
-  for name, array in tensors.items():
-    if array.dtype not in _ST_NAMES:
-      raise ValueError(f"tensor {name}: dtype {array.dtype} cannot be written to safetensors")
-    header[name] = {"dtype": _ST_NAMES[array.dtype], "shape": list(array.shape),
-                    "data_offsets": [offset, offset + array.nbytes]}
-    offset += array.nbytes
-  blob = json.dumps(header, separators=(",", ":")).encode()
-  blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
-  with open(path, "wb") as f:
-    f.write(len(blob).to_bytes(8, "little"))
-    f.write(blob)
-    for array in tensors.values():
-      f.write(np.ascontiguousarray(array).tobytes())
+LazyTensor = Any  # safetensors' slice handle: `[slices]` reads those bytes into numpy
 
 
 class SafetensorsCheckpoint:
-  """The tensors of a checkpoint directory, over one or many safetensors shards."""
+  """The tensors of a checkpoint directory, over one or many memory-mapped safetensors files."""
 
   def __init__(self, path: str):
     self.path = path
-    index_path, single_path = os.path.join(path, INDEX_FILE), os.path.join(path, SINGLE_FILE)
+    index_path = os.path.join(path, INDEX_FILE)
     if os.path.exists(index_path):
       with open(index_path) as f:
         weight_map = json.load(f).get("weight_map")
       if not isinstance(weight_map, dict):
         raise ValueError(f"{index_path}: missing the 'weight_map' object")
-      files = {shard: SafetensorsFile(os.path.join(path, shard))
-               for shard in sorted(set(weight_map.values()))}
-      self._files = {tensor: files[shard] for tensor, shard in weight_map.items()}
-    elif os.path.exists(single_path):
-      single = SafetensorsFile(single_path)
-      self._files = {name: single for name in single.names()}
+    elif os.path.exists(os.path.join(path, SINGLE_FILE)):
+      weight_map = None
     else:
       raise ValueError(f"{path}: neither {INDEX_FILE} nor {SINGLE_FILE} exists")
+    file_names = [SINGLE_FILE] if weight_map is None else sorted(set(weight_map.values()))
+    self._files = {name: safe_open(os.path.join(path, name), framework="numpy")
+                   for name in file_names}
+    self._names = {name: set(handle.keys()) for name, handle in self._files.items()}
+    self._file_of = (dict.fromkeys(self._names[SINGLE_FILE], SINGLE_FILE) if weight_map is None
+                     else weight_map)
 
   def __contains__(self, name: str) -> bool:
-    return name in self._files
+    return name in self._file_of
 
-  def array(self, name: str, expected_shape: Sequence[int]) -> np.ndarray:
-    """Lazy view of tensor `name`; a missing tensor or a wrong shape is a ValueError."""
-    if name not in self._files:
+  def tensor(self, name: str, expected_shape: Sequence[int]) -> LazyTensor:
+    """Tensor `name`, unread until sliced; a missing tensor or a wrong shape is a ValueError."""
+    expected_shape = tuple(expected_shape)
+    if name not in self._file_of:
       raise ValueError(f"{self.path}: checkpoint is missing tensor {name} (expected shape "
-                       f"{tuple(expected_shape)})")
-    source = self._files[name]
-    if name not in source:
+                       f"{expected_shape})")
+    file_name = self._file_of[name]
+    if name not in self._names[file_name]:
       raise ValueError(f"tensor {name} is listed in {INDEX_FILE} but absent from "
-                       f"{source.path} (expected shape {tuple(expected_shape)})")
-    if source.shape(name) != tuple(expected_shape):
-      raise ValueError(f"tensor {name} has shape {source.shape(name)}, expected "
-                       f"{tuple(expected_shape)}")
-    return source.array(name)
+                       f"{os.path.join(self.path, file_name)} (expected shape {expected_shape})")
+    tensor = self._files[file_name].get_slice(name)
+    if tuple(tensor.get_shape()) != expected_shape:
+      raise ValueError(f"tensor {name} has shape {tuple(tensor.get_shape())}, expected "
+                       f"{expected_shape}")
+    return tensor
+
+
+def write_file(path: str, tensors: dict[str, np.ndarray]) -> None:
+  """Writes `tensors` (name -> array) as one `.safetensors` file, tagged format "pt" as
+  `transformers` writes its own."""
+  save_file({name: np.ascontiguousarray(array) for name, array in tensors.items()}, path,
+            metadata={"format": "pt"})
 
 
 def parse_size(size: int | str) -> int:
