@@ -27,7 +27,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from pbsd_jax import policy_checkpoint
-from pbsd_jax.models import hf, safetensors_io
+from pbsd_jax.models import hf, hf_config, safetensors_io
 from pbsd_jax.models.config import ModelConfig
 from pbsd_jax.models.transformer import param_shapes
 
@@ -89,14 +89,14 @@ def convert_export(ckpt_dir: str, out: str, architecture: str | None = None,
   config, params = restore_params_checkpoint(ckpt_dir)
   assets = os.path.join(ckpt_dir, ASSETS_DIR)
   extra, original_arch = {}, None
-  if os.path.exists(os.path.join(assets, hf.CONFIG_FILE)):
-    with open(os.path.join(assets, hf.CONFIG_FILE)) as f:
+  if os.path.exists(os.path.join(assets, hf_config.CONFIG_FILE)):
+    with open(os.path.join(assets, hf_config.CONFIG_FILE)) as f:
       original = json.load(f)
     extra = {key: original[key] for key in _CARRIED_FIELDS if key in original}
     original_arch = (original.get("architectures") or [None])[0]
-  if architecture is None and original_arch in hf.SUPPORTED_ARCHITECTURES:
+  if architecture is None and original_arch in hf_config.SUPPORTED_ARCHITECTURES:
     try:
-      hf.config_to_hf(config, original_arch)
+      hf_config.config_to_hf(config, original_arch)
       architecture = original_arch
     except ValueError:
       architecture = None  # the model changed shape since import; use the default class
@@ -104,7 +104,7 @@ def convert_export(ckpt_dir: str, out: str, architecture: str | None = None,
           extra_config=extra)
   if os.path.isdir(assets):
     for name in sorted(os.listdir(assets)):
-      if name != hf.CONFIG_FILE:
+      if name != hf_config.CONFIG_FILE:
         shutil.copy2(os.path.join(assets, name), os.path.join(out, name))
   return config
 
@@ -114,7 +114,7 @@ _DIRECTION = flags.DEFINE_enum("direction", "import", ["import", "export"],
 _HF_DIR = flags.DEFINE_string("hf_dir", None, "Hugging Face model directory to import.")
 _CKPT_DIR = flags.DEFINE_string("ckpt_dir", None, "Checkpoint directory to export.")
 _OUT = flags.DEFINE_string("out", None, "Output directory.", required=True)
-_ARCHITECTURE = flags.DEFINE_enum("architecture", None, list(hf.SUPPORTED_ARCHITECTURES),
+_ARCHITECTURE = flags.DEFINE_enum("architecture", None, list(hf_config.SUPPORTED_ARCHITECTURES),
                                   "Export as this HF class (default: as imported, else "
                                   "inferred from the config).")
 _MAX_SHARD_SIZE = flags.DEFINE_string("max_shard_size", "5GB", "Export shard size.")

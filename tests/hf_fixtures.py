@@ -1,4 +1,5 @@
-"""Tiny Hugging Face checkpoints written by `transformers` itself, for the interop tests.
+"""Tiny Hugging Face checkpoints written by `transformers` itself, and the logits of both
+sides, for the interop tests.
 
 Every parameter (norm scales and biases included) is random, so a wrong mapping of any single
 tensor changes the logits.
@@ -6,11 +7,18 @@ tensor changes the logits.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+from typing import Any
 
+import jax
+import jax.numpy as jnp
 import torch
 import transformers
+
+from pbsd_jax.models.config import ModelConfig
+from pbsd_jax.models.transformer import Transformer
 
 # The models are tiny: one thread is fastest, and several threads contending with XLA's on a
 # shared CPU make generation orders of magnitude slower.
@@ -95,6 +103,23 @@ def torch_logits(model, tokens, mask):
   positions = torch.clamp(torch.cumsum(mask, -1) - 1, min=0)
   with torch.no_grad():
     return model(input_ids=tokens, attention_mask=mask, position_ids=positions).logits.numpy()
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def _forward(config: ModelConfig, params: Any, tokens: jax.Array, mask: jax.Array) -> jax.Array:
+  return Transformer(config).apply({"params": params}, tokens, mask).logits
+
+
+def forward_logits(config: ModelConfig, params: Any, tokens: jax.Array,
+                   mask: jax.Array | None = None) -> jax.Array:
+  """Our full-vocabulary logits `f32[B, T, V]` of `tokens: i32[B, T]` (mask `bool[B, T]`).
+
+  Position `t` holds the logits of the token after `tokens[:, t]`; left padding (mask False)
+  never shifts positions, so a left-padded row equals the unpadded one on its real tokens.
+  """
+  tokens = jnp.asarray(tokens, jnp.int32)
+  mask = jnp.ones(tokens.shape, bool) if mask is None else jnp.asarray(mask, bool)
+  return _forward(config, params, tokens, mask)
 
 
 CHATML_TEMPLATE = (

@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 from safetensors import safe_open
 
-from pbsd_jax.models import hf, safetensors_io
+from pbsd_jax.models import hf, hf_config, safetensors_io
 from pbsd_jax.models.config import ModelConfig
 from pbsd_jax.models.transformer import param_axes, param_shapes
 from pbsd_jax.sampling import Sampler
@@ -62,7 +62,7 @@ def test_logits_match_transformers_including_left_padded_rows(checkpoints, case)
   path, model = checkpoints[case]
   config, params = _loaded(path)
   tokens, mask = _tokens_with_left_padding()
-  ours = np.asarray(hf.forward_logits(config, params, tokens, mask))
+  ours = np.asarray(hf_fixtures.forward_logits(config, params, tokens, mask))
   theirs = hf_fixtures.torch_logits(model, tokens, mask)
   np.testing.assert_allclose(ours[mask], theirs[mask], atol=1e-4, rtol=0)
 
@@ -181,7 +181,8 @@ def test_fused_expert_tensors_load_like_per_expert_tensors(checkpoints, tmp_path
   state = {name: t.contiguous() for name, t in model.state_dict().items()}
   assert "model.layers.0.mlp.experts.gate_up_proj" in state
   save_file(state, str(tmp_path / safetensors_io.SINGLE_FILE), metadata={"format": "pt"})
-  (tmp_path / hf.CONFIG_FILE).write_text(open(os.path.join(path, hf.CONFIG_FILE)).read())
+  config_file = hf_config.CONFIG_FILE
+  (tmp_path / config_file).write_text(open(os.path.join(path, config_file)).read())
   mesh = jax.make_mesh((8,), ("fsdp",))
   _, fused = hf.load(str(tmp_path), shardings=_first_axis_rule(mesh, ("mlp",)))
   _, per_expert = _loaded(path)
@@ -195,7 +196,7 @@ def test_llama_with_qkv_bias_exports_as_qwen2_by_default(checkpoints, tmp_path):
   path, model = checkpoints["llama_attention_bias"]
   config, params = _loaded(path)
   hf.save(config, params, str(tmp_path))
-  assert json.load(open(tmp_path / hf.CONFIG_FILE))["architectures"] == [hf.QWEN2]
+  assert json.load(open(tmp_path / hf_config.CONFIG_FILE))["architectures"] == [hf_config.QWEN2]
   tokens, mask = _tokens_with_left_padding()
   np.testing.assert_allclose(
       hf_fixtures.torch_logits(hf_fixtures.from_pretrained(str(tmp_path)), tokens, mask)[mask],
@@ -244,14 +245,16 @@ def test_save_then_load_is_bit_exact(name, tmp_path):
 @pytest.mark.parametrize("name", sorted(_OWN_CONFIGS))
 def test_config_survives_config_json(name):
   config = _OWN_CONFIGS[name]
-  assert hf.config_from_hf(json.loads(json.dumps(hf.config_to_hf(config)))) == config
+  as_json = json.loads(json.dumps(hf_config.config_to_hf(config)))
+  assert hf_config.config_from_hf(as_json) == config
 
 
 def test_single_file_and_sharded_saves_write_the_expected_files(tmp_path):
   config = _OWN_CONFIGS["qwen2_tied"]
   params = _random_params(config)
   hf.save(config, params, str(tmp_path / "one"))
-  assert sorted(os.listdir(tmp_path / "one")) == [hf.CONFIG_FILE, safetensors_io.SINGLE_FILE]
+  assert sorted(os.listdir(tmp_path / "one")) == [hf_config.CONFIG_FILE,
+                                                  safetensors_io.SINGLE_FILE]
   hf.save(config, params, str(tmp_path / "many"), max_shard_size="10KB")
   index = json.load(open(tmp_path / "many" / safetensors_io.INDEX_FILE))
   shards = sorted(set(index["weight_map"].values()))
@@ -299,7 +302,7 @@ def test_shardings_pytree_without_an_entry_names_the_parameter(own_checkpoint):
 
 
 def test_unknown_architecture_error_names_it(own_checkpoint):
-  config_path = os.path.join(own_checkpoint, hf.CONFIG_FILE)
+  config_path = os.path.join(own_checkpoint, hf_config.CONFIG_FILE)
   config = json.load(open(config_path))
   config["architectures"] = ["GPT2LMHeadModel"]
   json.dump(config, open(config_path, "w"))
@@ -309,12 +312,12 @@ def test_unknown_architecture_error_names_it(own_checkpoint):
 
 def test_missing_weights_file_is_an_error(tmp_path):
   config = _OWN_CONFIGS["qwen2_tied"]
-  (tmp_path / hf.CONFIG_FILE).write_text(json.dumps(hf.config_to_hf(config)))
+  (tmp_path / hf_config.CONFIG_FILE).write_text(json.dumps(hf_config.config_to_hf(config)))
   with pytest.raises(ValueError, match="model.safetensors"):
     hf.load(str(tmp_path))
 
 
-_LLAMA = hf.config_to_hf(_OWN_CONFIGS["llama_bf16"])
+_LLAMA = hf_config.config_to_hf(_OWN_CONFIGS["llama_bf16"])
 
 
 @pytest.mark.parametrize("change, message", [
@@ -329,7 +332,7 @@ _LLAMA = hf.config_to_hf(_OWN_CONFIGS["llama_bf16"])
 ])
 def test_unsupported_options_are_rejected_by_name(change, message):
   with pytest.raises(ValueError, match=message):
-    hf.config_from_hf({**_LLAMA, **change})
+    hf_config.config_from_hf({**_LLAMA, **change})
 
 
 @pytest.mark.parametrize("change, message", [
@@ -337,13 +340,13 @@ def test_unsupported_options_are_rejected_by_name(change, message):
     ({"decoder_sparse_step": 2}, "decoder_sparse_step"),
 ])
 def test_qwen3_moe_with_dense_layers_is_rejected(change, message):
-  moe = hf.config_to_hf(_OWN_CONFIGS["qwen3_moe"])
+  moe = hf_config.config_to_hf(_OWN_CONFIGS["qwen3_moe"])
   with pytest.raises(ValueError, match=message):
-    hf.config_from_hf({**moe, **change})
+    hf_config.config_from_hf({**moe, **change})
 
 
 def test_rope_theta_is_read_from_v5_rope_parameters():
-  config = hf.config_from_hf({**_LLAMA, "rope_theta": None,
+  config = hf_config.config_from_hf({**_LLAMA, "rope_theta": None,
                               "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}})
   assert config.rope_theta == 5e5
 
@@ -352,7 +355,7 @@ def test_save_rejects_an_architecture_that_cannot_hold_the_config(tmp_path):
   config = _OWN_CONFIGS["qwen3_moe"]
   with pytest.raises(ValueError, match="cannot be saved as LlamaForCausalLM"):
     hf.save(config, _random_params(config), str(tmp_path),
-            architecture=hf.LLAMA)
+            architecture=hf_config.LLAMA)
 
 
 def test_save_error_names_a_param_with_the_wrong_shape(tmp_path):
@@ -380,7 +383,7 @@ def test_convert_script_round_trip_reproduces_the_checkpoint(checkpoints, tmp_pa
   convert.convert_export(str(tmp_path / "ckpt"), str(tmp_path / "hf"))
   assert os.path.exists(tmp_path / "hf" / "generation_config.json")  # assets carried over
   exported = hf_fixtures.from_pretrained(str(tmp_path / "hf"))
-  assert exported.config.architectures == [hf.QWEN3]
+  assert exported.config.architectures == [hf_config.QWEN3]
   assert exported.config.max_position_embeddings == model.config.max_position_embeddings
   for name, tensor in model.state_dict().items():
     assert torch.equal(exported.state_dict()[name], tensor), name
