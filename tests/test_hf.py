@@ -16,6 +16,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 from safetensors import safe_open
 
+from pbsd_jax import sharding
 from pbsd_jax.models import hf, hf_config, safetensors_io
 from pbsd_jax.models.config import ModelConfig
 from pbsd_jax.models.transformer import param_axes, param_shapes
@@ -127,8 +128,17 @@ def test_config_maps_every_family_switch(checkpoints):
   assert _loaded(checkpoints["qwen3_wide_heads"][0])[0].head_dim == 16
 
 
-def _first_axis_rule(mesh, candidates=("vocab", "mlp", "head_dim")):
-  """Logical spec -> sharding: the first candidate axis present goes to 'fsdp'."""
+_CANDIDATES = ("vocab", "mlp", "head_dim")
+
+
+def _rules_to_fsdp(candidates=_CANDIDATES):
+  """A logical-axis table (of `sharding.RULES`' names) mapping only `candidates` to 'fsdp'."""
+  return tuple((name, "fsdp" if name in candidates else None) for name, _ in sharding.RULES)
+
+
+def _first_axis_rule(mesh, candidates=_CANDIDATES):
+  """Logical spec -> sharding: the first candidate axis present goes to 'fsdp' (what
+  `_rules_to_fsdp(candidates)` gives, written out by hand)."""
 
   def rule(spec):
     chosen = next((axis for axis in spec if axis in candidates), None)
@@ -145,7 +155,7 @@ def test_multi_shard_checkpoint_loads_each_array_with_its_sharding(checkpoints):
   config, reference = _loaded(path)
   mesh = jax.make_mesh((8,), ("fsdp",))
   rule = _first_axis_rule(mesh)
-  _, params = hf.load(path, shardings=rule)
+  _, params = hf.load(path, mesh=mesh, rules=_rules_to_fsdp())
   flat_specs = jax.tree_util.tree_leaves(param_axes(config),
                                          is_leaf=lambda x: isinstance(x, P))
   flat = zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(reference), flat_specs)
@@ -184,7 +194,7 @@ def test_fused_expert_tensors_load_like_per_expert_tensors(checkpoints, tmp_path
   config_file = hf_config.CONFIG_FILE
   (tmp_path / config_file).write_text(open(os.path.join(path, config_file)).read())
   mesh = jax.make_mesh((8,), ("fsdp",))
-  _, fused = hf.load(str(tmp_path), shardings=_first_axis_rule(mesh, ("mlp",)))
+  _, fused = hf.load(str(tmp_path), mesh=mesh, rules=_rules_to_fsdp(("mlp",)))
   _, per_expert = _loaded(path)
   assert fused["layers"]["moe"]["up_kernel"].sharding.spec == P(None, None, None, "fsdp")
   jax.tree_util.tree_map(np.testing.assert_array_equal, jax.device_get(fused),

@@ -6,8 +6,9 @@ writes one that `transformers.AutoModelForCausalLM.from_pretrained` loads. The c
 translated by `hf_config`, and each tensor is re-laid out (reshape + transpose) by the table in
 `hf_layout`, so a round trip is bit-exact. Neither direction needs torch or transformers.
 
-With a sharding, each device reads only the slice of the memory-mapped files that its shard
-needs. Chat templates live in `chat_template`.
+Placed on a mesh, each parameter takes its sharding from `pbsd_jax.sharding`, and each device
+reads only the slice of the memory-mapped files that its shard needs. Chat templates live in
+`chat_template`.
 """
 
 from __future__ import annotations
@@ -21,11 +22,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
+from pbsd_jax import sharding
 from pbsd_jax.models import hf_config, hf_layout, safetensors_io
 from pbsd_jax.models.config import ModelConfig
-from pbsd_jax.models.transformer import param_axes
+from pbsd_jax.models.transformer import param_shapes
 
 
 def _set_path(tree: dict, path: tuple[str, ...], value: Any) -> None:
@@ -40,38 +41,32 @@ def _get_path(tree: Any, path: tuple[str, ...]) -> Any:
   return tree
 
 
-ShardingsLike = Any  # None | pytree of jax.sharding.Sharding | Callable[[PartitionSpec], Sharding]
-
-
-def _resolve_shardings(config: ModelConfig, mesh: jax.sharding.Mesh | None,
-                       shardings: ShardingsLike) -> Any:
+def _placement(config: ModelConfig, mesh: jax.sharding.Mesh | None, rules: Any,
+               shardings: Any) -> Any:
   """A pytree (matching params) of `Sharding`, or None for plain single-device arrays."""
-  if shardings is None and mesh is not None:
-    shardings = NamedSharding(mesh, PartitionSpec())  # replicated
-  if shardings is None:
-    return None
-  if isinstance(shardings, jax.sharding.Sharding):
-    single = shardings
-    shardings = lambda _: single
-  if callable(shardings):
-    return jax.tree_util.tree_map(shardings, param_axes(config),
-                                  is_leaf=lambda x: isinstance(x, PartitionSpec))
-  return shardings
+  if rules is not None and mesh is None:
+    raise ValueError("rules need a mesh to shard over")
+  if shardings is not None or mesh is None:
+    return shardings
+  if rules is None:
+    return jax.tree.map(lambda _: sharding.replicated(mesh), param_shapes(config))
+  return sharding.param_shardings(config, mesh, rules)
 
 
-def load(path: str, *, mesh: jax.sharding.Mesh | None = None, shardings: ShardingsLike = None,
-         param_dtype: str | None = None, dtype: str | None = None) -> tuple[ModelConfig, Any]:
+def load(path: str, *, mesh: jax.sharding.Mesh | None = None, rules: Any = None,
+         shardings: Any = None, param_dtype: str | None = None,
+         dtype: str | None = None) -> tuple[ModelConfig, Any]:
   """Reads a Hugging Face model directory into our config and params.
 
   Args:
     path: directory with `config.json` and `model.safetensors` or sharded safetensors plus
       `model.safetensors.index.json`.
-    mesh: with no `shardings`, params are replicated over this mesh.
-    shardings: where each parameter goes: one `jax.sharding.Sharding` for all, a pytree of
-      them matching the params, or a function from a parameter's logical `PartitionSpec` (as in
-      `param_axes(config)`, e.g. `P('layers', 'embed', 'heads', 'head_dim')`) to a `Sharding`.
-      Each device then reads only its own slice of the files (`jax.make_array_from_callback`),
-      so a large model never sits whole in one host's memory.
+    mesh: the device mesh; with no `rules`, every parameter is replicated over it.
+    rules: a logical-axis table (`sharding.RULES` or one of its form): each parameter is
+      sharded over `mesh` as `sharding.param_shardings(config, mesh, rules)` says.
+    shardings: instead of `mesh`, a pytree of `jax.sharding.Sharding` matching the params.
+      Placed on devices by any of these, each device reads only its own slice of the files
+      (`jax.make_array_from_callback`), so a large model never sits whole in one host's memory.
     param_dtype / dtype: see `hf_config.config_from_hf`.
 
   Returns:
@@ -88,7 +83,7 @@ def load(path: str, *, mesh: jax.sharding.Mesh | None = None, shardings: Shardin
                        "representable in ModelConfig")
   fused = "model.layers.0.mlp.experts.gate_up_proj" in checkpoint
   target = jnp.dtype(config.jnp_param_dtype)
-  placement = _resolve_shardings(config, mesh, shardings)
+  placement = _placement(config, mesh, rules, shardings)
   params: dict = {}
   for path_keys, layout in hf_layout.layouts(config, fused).items():
     if placement is None:
