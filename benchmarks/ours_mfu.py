@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import ours_common
-from pbsd_jax import algorithms, learner
+from pbsd_jax import algorithms, evidence, learner, train_state
+from pbsd_jax.algorithms import AdvantageInputs
 from pbsd_jax.models import ModelConfig, init_params
 from pbsd_jax.models.sizes import SIZES
 
@@ -45,16 +46,18 @@ def update_flops(config: ModelConfig, rows: int, seq: int) -> float:
   return float(6 * matmul_params(config) * tokens + attention * tokens)
 
 
-def policy_batch(config: ModelConfig, rows: int, seq: int) -> learner.PolicyBatch:
-  """A full batch: every token real, the second half of each row trained on."""
+def policy_batch(config: ModelConfig, rows: int, seq: int) -> evidence.PolicyBatch:
+  """A full batch: every token real, the second half of each row trained on, rewards 0 / 1
+  alternating (so every GRPO group of 8 has non-zero advantages)."""
   rng = np.random.default_rng(0)
   tokens = jnp.asarray(rng.integers(0, config.vocab_size, (rows, seq)), jnp.int32)
   mask = jnp.ones((rows, seq), bool)
-  loss = jnp.broadcast_to(jnp.arange(seq) >= seq // 2, (rows, seq))
-  adv = jnp.where(loss, jnp.asarray(rng.choice([-1.0, 1.0], (rows, 1)), jnp.float32), 0.0)
-  return learner.PolicyBatch(tokens=tokens, mask=mask, teacher_tokens=tokens, teacher_mask=mask,
-                             action_mask=loss, loss_mask=loss, advantages=adv,
-                             old_logp=jnp.full((rows, seq), -10.0, jnp.float32))
+  action = jnp.broadcast_to(jnp.arange(seq) >= seq // 2, (rows, seq))
+  inputs = AdvantageInputs(rewards=jnp.arange(rows) % 2, action_mask=action,
+                           turn_ids=jnp.where(action, 0, -1), step=jnp.int32(0), max_turns=1,
+                           logp_student=jnp.full((rows, seq), -10.0, jnp.float32))
+  return evidence.PolicyBatch(tokens=tokens, mask=mask, teacher_tokens=tokens,
+                              teacher_mask=mask, action_mask=action, inputs=inputs)
 
 
 def main():
@@ -70,13 +73,13 @@ def main():
   shape = SIZES[args.size] if args.size else LARGER
   config = ModelConfig(**shape, param_dtype="float32", dtype=args.dtype, remat=args.remat)
   params = init_params(config, jax.random.key(0))
-  tx = learner.make_optimizer(1e-6)
+  tx = train_state.make_optimizer(1e-6)
   plan = learner.UpdatePlan(micro_batch_size=args.micro, chunk_size=args.chunk)
   update = jax.jit(lambda state, batch: learner.ppo_update(
       state, batch, config=config, tx=tx, algo=algorithms.get("grpo"), plan=plan),
       donate_argnums=0)
   batch = policy_batch(config, args.rows, args.seq)
-  holder = {"state": learner.init_train_state(params, tx, jax.random.key(0))}
+  holder = {"state": train_state.init_train_state(params, tx, jax.random.key(0))}
 
   def step():
     holder["state"], metrics = update(holder["state"], batch)

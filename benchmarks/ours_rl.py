@@ -2,9 +2,9 @@
 
 One RL step is one `jax.jit` program, as `pbsd_jax.train.make_rl_iteration` builds it: rollout
 (prefill + `lax.while_loop` decode of exactly `--new-tokens` tokens, temperature 1, no stop)
--> reward -> evidence (`learner.policy_batch`; with one update per batch the student
+-> reward -> evidence (`evidence.policy_batch`; with one update per batch the student
 log-probs are the update's own forward, so this is PBSD's teacher pass and nothing for GRPO)
--> one PPO update (`learner.ppo_update`). The
+-> one PPO update (`learner.on_policy_update`). The
 breakdown jits the three parts separately. The reward is a deterministic function of the
 sampled tokens (more than half of them even), so groups have non-zero advantages.
 
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import ours_common
-from pbsd_jax import algorithms, learner
+from pbsd_jax import algorithms, evidence, learner, train_state
 from pbsd_jax.rollout import Rollout
 from pbsd_jax.sampling import Sampler
 
@@ -58,17 +58,19 @@ def measure_step(name: str, config, params, prompts, mask, teacher, teacher_mask
   """Warm best-of times of one RL step of algorithm `name` and of its three parts."""
   sampler = Sampler(config, temperature=1.0)
   algo = algorithms.get(name)
-  tx = learner.make_optimizer(1e-6)
+  tx = train_state.make_optimizer(1e-6)
   plan = learner.UpdatePlan(chunk_size=args.chunk_size or None)
   rollout_fn = jax.jit(functools.partial(single_turn_rollout, sampler, group=args.group,
                                          new_tokens=args.new_tokens))
   # One update in one pass: the student log-probs come from the update's own forward
   # (`UpdatePlan.on_policy`), so GRPO's evidence part is empty and PBSD's is the teacher pass.
+  on_policy = plan.on_policy(prompts.shape[0])
   evidence_fn = jax.jit(functools.partial(
-      learner.policy_batch, config=config, algo=algo, max_turns=1, chunk_size=plan.chunk_size,
-      on_policy=plan.on_policy(prompts.shape[0])))
-  update_fn = jax.jit(functools.partial(learner.ppo_update, config=config, tx=tx, algo=algo,
-                                        plan=plan))
+      evidence.policy_batch, config=config, algo=algo, max_turns=1, chunk_size=plan.chunk_size,
+      score_student=not on_policy))
+  update_fn = jax.jit(functools.partial(
+      learner.on_policy_update if on_policy else learner.ppo_update, config=config, tx=tx,
+      algo=algo, plan=plan))
 
   def iteration(state, rng):
     rollout = rollout_fn(state.params, prompts, mask, rng)
@@ -76,7 +78,7 @@ def measure_step(name: str, config, params, prompts, mask, teacher, teacher_mask
                            algo=algo, max_turns=1, plan=plan)
 
   step_fn = jax.jit(iteration, donate_argnums=0)
-  holder = {"state": learner.init_train_state(jax.tree.map(jnp.copy, params), tx,
+  holder = {"state": train_state.init_train_state(jax.tree.map(jnp.copy, params), tx,
                                               jax.random.key(0)), "n": 0}
 
   def step():
@@ -89,9 +91,9 @@ def measure_step(name: str, config, params, prompts, mask, teacher, teacher_mask
   rollout_s, _ = ours_common.best_of(lambda: rollout_fn(params, prompts, mask,
                                                         jax.random.key(0)), args.repeats)
   step0 = jnp.zeros((), jnp.int32)
-  evidence_s, (batch, _) = ours_common.best_of(
+  evidence_s, batch = ours_common.best_of(
       lambda: evidence_fn(params, rollout, teacher, teacher_mask, step0), args.repeats)
-  state = learner.init_train_state(params, tx, jax.random.key(0))
+  state = train_state.init_train_state(params, tx, jax.random.key(0))
   update_s, _ = ours_common.best_of(lambda: update_fn(state, batch), args.repeats)
   return {f"{name}_step_s": step_s, f"{name}_rollout_s": rollout_s,
           f"{name}_evidence_s": evidence_s, f"{name}_update_s": update_s}

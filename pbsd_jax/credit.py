@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from flax import struct
 
 Array = jax.Array
 
@@ -64,8 +65,8 @@ def turn_evidence(log_ratio: Array, turn_ids: Array, max_turns: int,
 def deadband(evidence: Array, eps_pos: float, eps_neg: float) -> Array:
   """Low-SNR deadband (DESIGN §2): keeps `s` where `s > eps_pos` or `s < -eps_neg`, else 0.
 
-  The thresholds are direction-specific (defaults 0.001 / 0.003 in `pbsd_advantages`); a value
-  exactly on a threshold is zeroed.
+  The thresholds are direction-specific (PBSD's defaults: 0.001 / 0.003); a value exactly on
+  a threshold is zeroed.
 
   Args:
     evidence: `f32[B, K]` turn evidence.
@@ -152,14 +153,30 @@ def credit_metrics(evidence: Array, filtered: Array, weights: Array, exists: Arr
   }
 
 
+@struct.dataclass
+class TurnCredit:
+  """The per-turn quantities of PBSD's credit, each `f32[B, K]` (0 / 1 on absent turns).
+
+  Attributes:
+    evidence: turn evidence `s` (`turn_evidence`).
+    filtered: deadbanded evidence `s~` (`deadband`).
+    weights: modulation weights `w` (`modulation_weights`).
+  """
+
+  evidence: Array
+  filtered: Array
+  weights: Array
+
+
 def pbsd_advantages(advantages: Array, logp_teacher: Array, logp_student: Array,
-                    turn_ids: Array, max_turns: int, *, delta: float = 0.1, clip: float = 0.1,
-                    eps_pos: float = 0.001, eps_neg: float = 0.003, reduction: str = "mean",
-                    form: str = "tanh") -> tuple[Array, dict]:
-  """PBSD token advantages `A_{i,t} = A_i * w_{i,t}` (DESIGN §2), and the credit metrics.
+                    turn_ids: Array, max_turns: int, *, delta: float, clip: float,
+                    eps_pos: float, eps_neg: float, reduction: str, form: str
+                    ) -> tuple[Array, TurnCredit, dict]:
+  """PBSD token advantages `A_{i,t} = A_i * w_{i,t}` (DESIGN §2), its turn credit and metrics.
 
   Composes `turn_evidence` of the (stop-gradient) teacher-student log-ratio, `deadband`,
-  `modulation_weights` and `token_advantages`.
+  `modulation_weights` and `token_advantages`. The settings have no defaults here: they are
+  `pbsd_jax.algorithms.PBSD`'s fields, written once there.
 
   Args:
     advantages: `f32[B]` GRPO group-normalised outcome advantages.
@@ -170,7 +187,8 @@ def pbsd_advantages(advantages: Array, logp_teacher: Array, logp_student: Array,
     delta, clip, eps_pos, eps_neg, reduction, form: as in the functions above.
 
   Returns:
-    `(f32[B, T] token advantages, metrics)` with the metrics of `credit_metrics`.
+    `(f32[B, T] token advantages, TurnCredit, metrics)` with the metrics of
+    `credit_metrics`.
   """
   log_ratio = jax.lax.stop_gradient(logp_teacher - logp_student)
   evidence = turn_evidence(log_ratio, turn_ids, max_turns, reduction)
@@ -178,4 +196,5 @@ def pbsd_advantages(advantages: Array, logp_teacher: Array, logp_student: Array,
   weights = modulation_weights(advantages, filtered, delta, clip, form)
   exists = turn_token_counts(turn_ids, max_turns) > 0
   metrics = credit_metrics(evidence, filtered, weights, exists)
-  return token_advantages(advantages, weights, turn_ids), metrics
+  return (token_advantages(advantages, weights, turn_ids),
+          TurnCredit(evidence=evidence, filtered=filtered, weights=weights), metrics)

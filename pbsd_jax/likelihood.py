@@ -15,7 +15,7 @@ distributions chunk by chunk (OPSD, GEAR).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -175,18 +175,34 @@ def generalized_jsd(student_logits: Array, teacher_logits: Array, beta: float) -
   return beta * kl(log_t, log_m) + (1.0 - beta) * kl(log_s, log_m)
 
 
+class DivergenceScores(NamedTuple):
+  """What one student forward and one teacher forward give per token, all `f32[B, T]`.
+
+  Attributes:
+    divergence: `generalized_jsd` of the student's and the teacher's next-token
+      distributions (differentiable in the student parameters).
+    entropy: the student's next-token entropy.
+    logp: the student's log-prob of the token (as `token_logprobs`).
+  """
+
+  divergence: Array
+  entropy: Array
+  logp: Array
+
+
 def token_divergence(params: Any, teacher_params: Any, config: ModelConfig,
                      student_tokens: Array, student_mask: Array, teacher_tokens: Array,
                      teacher_mask: Array, *, beta: float = 1.0, chunk_size: int | None = None,
-                     with_entropy: bool = False):
+                     score_from: int = 1) -> DivergenceScores:
   """Per-token `generalized_jsd` between the student's and teacher's next-token distributions.
 
   The student is `params` on the student sequence (gradients flow); the teacher is
   `teacher_params` on the teacher sequence under `stop_gradient` (OPSD passes the frozen
-  initial parameters, GEAR the current ones). Aligned like `token_logprobs`: column t holds
-  the divergence of the distributions that predict token t, 0 where either sequence has no
-  real predecessor. The LM heads run `chunk_size` positions at a time, so the `[B, T, V]`
-  logits of either model are never held whole.
+  initial parameters, GEAR the current ones). The student's entropy and token log-probs come
+  from the same forward, so a caller that also needs them runs no second student pass.
+  Aligned like `token_logprobs`: column t holds the scores of the distributions that predict
+  token t, 0 where either sequence has no real predecessor. The LM heads run `chunk_size`
+  positions at a time, so the `[B, T, V]` logits of either model are never held whole.
 
   Args:
     params: student parameters.
@@ -196,10 +212,10 @@ def token_divergence(params: Any, teacher_params: Any, config: ModelConfig,
     teacher_tokens, teacher_mask: the same with the privileged prompt region.
     beta: see `generalized_jsd` (1 = reverse KL).
     chunk_size: positions per LM-head chunk (None: all at once).
-    with_entropy: also return the student's next-token entropy.
+    score_from: static first column scored (see `logprobs_from_hidden`).
 
   Returns:
-    `f32[B, T]` divergences (and `f32[B, T]` student entropies).
+    `DivergenceScores` (divergence, student entropy, student log-probs), each `f32[B, T]`.
   """
   model = Transformer(config)
   teacher_params = jax.lax.stop_gradient(teacher_params)
@@ -207,15 +223,18 @@ def token_divergence(params: Any, teacher_params: Any, config: ModelConfig,
   h_student = hidden(params, student_tokens, student_mask)
   h_teacher = hidden(teacher_params, teacher_tokens, teacher_mask)
 
-  def score(hs, ht):
+  def score(hs, ht, target):
     logits_s = model.apply({"params": params}, hs, method=Transformer.unembed)
     logits_t = model.apply({"params": teacher_params}, ht, method=Transformer.unembed)
     div = generalized_jsd(logits_s, logits_t, beta)
-    log_s = jax.nn.log_softmax(logits_s, axis=-1)
-    return div, -jnp.sum(jnp.exp(log_s) * log_s, axis=-1)
+    log_s = jax.nn.log_softmax(logits_s.astype(jnp.float32), axis=-1)
+    logp = jnp.take_along_axis(log_s, target[..., None], axis=-1)[..., 0]
+    return div, -jnp.sum(jnp.exp(log_s) * log_s, axis=-1), logp
 
-  div, entropy = map_sequence_chunks(score, chunk_size, h_student[:, :-1], h_teacher[:, :-1])
-  real = lambda m: m[:, 1:] & m[:, :-1]
+  first = max(1, score_from)
+  scores = map_sequence_chunks(score, chunk_size, h_student[:, first - 1:-1],
+                               h_teacher[:, first - 1:-1], student_tokens[:, first:])
+  real = lambda m: m[:, first:] & m[:, first - 1:-1]
   scored = real(student_mask.astype(bool)) & real(teacher_mask.astype(bool))
-  pad = lambda x: jnp.pad(jnp.where(scored, x, 0.0), [(0, 0), (1, 0)])
-  return (pad(div), pad(entropy)) if with_entropy else pad(div)
+  pad = lambda x: jnp.pad(jnp.where(scored, x, 0.0), [(0, 0), (first, 0)])
+  return DivergenceScores(*(pad(x) for x in scores))

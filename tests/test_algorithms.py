@@ -71,8 +71,8 @@ def test_clipped_surrogate_hand_computed():
 
 
 def test_pg_clipfrac_counts_tokens_whose_clip_is_active():
-  _, metrics = algorithms.policy_loss(jnp.asarray(LOG_RATIO), jnp.zeros((2, 3)),
-                                      jnp.asarray(ADV), jnp.asarray(FULL))
+  _, _, metrics = algorithms.policy_loss(jnp.asarray(LOG_RATIO), jnp.zeros((2, 3)),
+                                         jnp.asarray(ADV), jnp.asarray(FULL))
   np.testing.assert_allclose(metrics["pg_clipfrac"], 2 / 6, rtol=1e-6)
 
 
@@ -98,16 +98,18 @@ TOKEN_LOSS = jnp.array([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 0.0, 0.0], [7.0, 7.0, 7
 LOSS_MASK = jnp.array([[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]], bool)  # row 2 is dropped
 
 
-@pytest.mark.parametrize("mode, norm_len, expected", [
-    ("token-mean", None, (1 + 2 + 3 + 5) / 4),
-    ("seq-mean-token-mean", None, ((1 + 2 + 3) / 3 + 5 / 1) / 2),
-    ("seq-mean-token-sum", None, ((1 + 2 + 3) + 5) / 2),
-    ("seq-mean-token-sum-norm", None, ((1 + 2 + 3) + 5) / (2 * 4)),
-    ("seq-mean-token-sum-norm", 10, ((1 + 2 + 3) + 5) / (2 * 10)),
+@pytest.mark.parametrize("mode, norm_len, expected, weight", [
+    ("token-mean", None, (1 + 2 + 3 + 5) / 4, 4),
+    ("seq-mean-token-mean", None, ((1 + 2 + 3) / 3 + 5 / 1) / 2, 2),
+    ("seq-mean-token-sum", None, ((1 + 2 + 3) + 5) / 2, 2),
+    ("seq-mean-token-sum-norm", None, ((1 + 2 + 3) + 5) / (2 * 4), 2),
+    ("seq-mean-token-sum-norm", 10, ((1 + 2 + 3) + 5) / (2 * 10), 2),
 ])
-def test_aggregation_modes_hand_computed(mode, norm_len, expected):
-  got = algorithms.aggregate_loss(TOKEN_LOSS, LOSS_MASK, mode, norm_len)
+def test_aggregation_modes_hand_computed_with_their_normaliser(mode, norm_len, expected, weight):
+  """The weight is what the mode divides by: loss tokens, or rows with loss tokens."""
+  got, got_weight = algorithms.aggregate_loss(TOKEN_LOSS, LOSS_MASK, mode, norm_len)
   np.testing.assert_allclose(got, expected, rtol=1e-6)
+  assert float(got_weight) == weight
 
 
 def test_unknown_aggregation_is_rejected_by_name():
@@ -199,23 +201,49 @@ def test_pbsd_with_huge_delta_equals_grpo():
   np.testing.assert_array_equal(mask, grpo_mask)
 
 
-def test_pbsd_reports_the_credit_metrics():
-  _, _, metrics = algorithms.get("pbsd", group_size=2).advantages(pbsd_inputs())
-  for key in ("frac_evidence_pos", "mean_abs_evidence", "frac_deadband", "weight_mean",
-              "weight_min", "weight_max"):
-    assert f"credit/{key}" in metrics
+def _turn_means(values):
+  """Per-turn means of `values: [4, 6]` over the tokens of TURNS (brute force), listed for
+  the turns that exist, and the row of each."""
+  turns = [(b, k) for b in range(4) for k in range(2) if np.any(TURNS[b] == k)]
+  return (np.array([values[b][TURNS[b] == k].mean() for b, k in turns]),
+          np.array([b for b, _ in turns]))
+
+
+def test_pbsd_reports_the_credit_metrics_brute_force():
+  inp = pbsd_inputs()
+  _, _, metrics = algorithms.get("pbsd", group_size=2).advantages(inp)
+  s, rows = _turn_means(np.asarray(inp.logp_teacher) - np.asarray(inp.logp_student))
+  assert len(s) == 7  # row 3 has no turn 1
+  kept = np.where((s > 0.001) | (s < -0.003), s, 0.0)
+  # Groups [1, 0] and [0, 1]: A = +-0.7071, signs [+, -, -, +].
+  sign = np.array([1.0, -1.0, -1.0, 1.0])[rows]
+  w = 1 + 0.1 * np.tanh(sign * kept / 0.1)
+  expected = {"frac_evidence_pos": np.mean(s > 0), "mean_abs_evidence": np.mean(np.abs(s)),
+              "frac_deadband": np.mean(kept == 0), "weight_mean": w.mean(),
+              "weight_min": w.min(), "weight_max": w.max()}
+  assert 0 < expected["frac_evidence_pos"] < 1 and w.min() < 1 < w.max()  # not degenerate
+  for key, value in expected.items():
+    np.testing.assert_allclose(metrics[f"credit/{key}"], value, rtol=1e-5, err_msg=key)
 
 
 def test_pbsd_adds_no_loss_term():
+  """PBSD's objective is the plain clipped surrogate, token-mean, on PBSD's advantages."""
   rng = np.random.default_rng(3)
-  logp, old, adv = (jnp.asarray(rng.normal(size=(4, 6)), jnp.float32) for _ in range(3))
-  mask = jnp.asarray(TURNS >= 0)
-  pbsd, _ = algorithms.get("pbsd", group_size=2).loss(logp, old, adv, mask)
-  grpo, _ = algorithms.get("grpo", group_size=2).loss(logp, old, adv, mask)
-  assert pbsd == grpo
+  logp, old = (np.asarray(rng.normal(scale=0.3, size=(4, 6)), np.float32) for _ in range(2))
+  pbsd = algorithms.get("pbsd", group_size=2)
+  adv, mask, _ = pbsd.advantages(pbsd_inputs())
+  grpo_adv, _, _ = algorithms.get("grpo", group_size=2).advantages(pbsd_inputs())
+  assert np.max(np.abs(np.asarray(adv) - np.asarray(grpo_adv))) > 1e-3  # credit is active
+  loss, weight, _ = pbsd.loss(jnp.asarray(logp), jnp.asarray(old), adv, mask)
+  a, m = np.asarray(adv, np.float64), np.asarray(mask)
+  ratio = np.exp(logp - old)
+  per_token = np.maximum(-a * ratio, -a * np.clip(ratio, 0.8, 1.28))
+  assert np.any(m & ((ratio < 0.8) | (ratio > 1.28)))  # some tokens take the clipped branch
+  np.testing.assert_allclose(float(loss), per_token[m].sum() / m.sum(), rtol=1e-5)
+  assert float(weight) == m.sum()
 
 
-# Gradient hygiene (issue 4 item 5).
+# Gradient hygiene.
 
 TINY = ModelConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
                    mlp_dim=32)

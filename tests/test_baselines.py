@@ -90,8 +90,8 @@ def full_logprobs(params, tokens, mask):
 @pytest.mark.parametrize("beta", [1.0, 0.0])
 def test_token_divergence_matches_brute_force_full_vocabulary_kl(beta):
   student, teacher, tokens, s_mask, t_tokens, t_mask = two_models()
-  div, entropy = jax.jit(functools.partial(
-      token_divergence, config=TINY, beta=beta, chunk_size=3, with_entropy=True))(
+  div, entropy, logp = jax.jit(functools.partial(
+      token_divergence, config=TINY, beta=beta, chunk_size=3))(
           student, teacher, student_tokens=tokens, student_mask=s_mask,
           teacher_tokens=t_tokens, teacher_mask=t_mask)
   log_s, log_t = full_logprobs(student, tokens, s_mask), full_logprobs(teacher, t_tokens, t_mask)
@@ -103,12 +103,16 @@ def test_token_divergence_matches_brute_force_full_vocabulary_kl(beta):
   ent = -np.sum(np.exp(log_s) * log_s, axis=-1)
   np.testing.assert_allclose(entropy, np.pad(np.where(scored, ent[:, :-1], 0.0),
                                              [(0, 0), (1, 0)]), rtol=1e-4, atol=1e-6)
+  # The student's token log-probs come from the same forward.
+  token = np.take_along_axis(log_s[:, :-1], np.asarray(tokens)[:, 1:, None], axis=-1)[..., 0]
+  np.testing.assert_allclose(logp, np.pad(np.where(scored, token, 0.0), [(0, 0), (1, 0)]),
+                             rtol=1e-4, atol=1e-6)
 
 
 def test_token_divergence_sends_no_gradient_to_the_teacher():
   student, teacher, tokens, s_mask, t_tokens, t_mask = two_models()
   loss = lambda s, t: jnp.sum(token_divergence(s, t, TINY, tokens, s_mask, t_tokens, t_mask,
-                                               chunk_size=4))
+                                               chunk_size=4).divergence)
   g_student, g_teacher = jax.jit(jax.grad(loss, argnums=(0, 1)))(student, teacher)
   assert all(np.all(np.asarray(g) == 0) for g in jax.tree.leaves(g_teacher))
   assert any(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(g_student))
@@ -119,14 +123,16 @@ def test_opsd_loss_is_token_mean_divergence_plus_rl_coef_times_grpo():
   logp, old, adv, div = (jnp.asarray(rng.normal(size=(2, 4)), jnp.float32) for _ in range(4))
   mask = jnp.array([[True, True, False, False], [True, True, True, False]])
   distill = float(np.sum(np.where(mask, div, 0.0)) / 5)
-  pure, metrics = algorithms.get("opsd", group_size=2).loss(logp, old, adv, mask,
-                                                            divergence=div)
-  np.testing.assert_allclose(pure, distill, rtol=1e-6)
-  assert "pg_clipfrac" in metrics
-  mixed, _ = algorithms.get("opsd", group_size=2, rl_coef=0.5).loss(logp, old, adv, mask,
+  pure, weight, metrics = algorithms.get("opsd", group_size=2).loss(logp, old, adv, mask,
                                                                     divergence=div)
-  grpo, _ = algorithms.get("grpo", group_size=2).loss(logp, old, adv, mask)
+  np.testing.assert_allclose(pure, distill, rtol=1e-6)
+  assert float(weight) == 5  # a token mean over the 5 loss tokens
+  mixed, _, _ = algorithms.get("opsd", group_size=2, rl_coef=0.5).loss(logp, old, adv, mask,
+                                                                       divergence=div)
+  grpo, _, grpo_metrics = algorithms.get("grpo", group_size=2).loss(logp, old, adv, mask)
   np.testing.assert_allclose(mixed, distill + 0.5 * float(grpo), rtol=1e-6)
+  # The PG diagnostics are reported even when the PG term is off.
+  np.testing.assert_allclose(metrics["pg_clipfrac"], grpo_metrics["pg_clipfrac"])
 
 
 def test_opsd_loss_requires_the_divergence():

@@ -11,7 +11,7 @@ import optax
 import pytest
 
 import multiprocess_worker as mw
-from pbsd_jax import learner, sharding
+from pbsd_jax import sharding, train_state
 from pbsd_jax.checkpoint import Checkpointer, PreemptionGuard
 
 DATA_STATE = {"epoch": 1, "position": 17, "seed": 3, "split": "train"}
@@ -64,7 +64,7 @@ def test_restore_places_arrays_in_the_target_shardings(tmp_path, state):
   with Checkpointer(str(tmp_path)) as ckpt:
     ckpt.save(state, DATA_STATE)
   tx, mesh = mw.make_tx(), sharding.make_mesh(2, 2, 2)
-  shardings = learner.train_state_shardings(mw.make_config(), tx, mesh)
+  shardings = train_state.train_state_shardings(mw.make_config(), tx, mesh)
   target = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         state, shardings)
   with Checkpointer(str(tmp_path)) as ckpt:

@@ -18,6 +18,12 @@ TURN_IDS = np.array([[-1, -1, 0, 0, -1, 1, 1, -1],
 LOG_RATIO = np.array([[9.0, 9.0, 0.2, 0.0, 9.0, -0.002, 0.0, 9.0],
                       [9.0, 0.3, -0.1, 0.1, 9.0, -0.2, 9.0, 0.0005]], np.float32)
 ADVANTAGES = np.array([1.0, -0.5], np.float32)
+# The paper's settings (PBSD's defaults); the hand-computed values below assume them.
+PAPER = dict(delta=0.1, clip=0.1, eps_pos=0.001, eps_neg=0.003, reduction="mean", form="tanh")
+
+
+def pbsd_advantages(*args, **settings):
+  return credit.pbsd_advantages(*args, **{**PAPER, **settings})
 
 
 def test_hand_computed_2x8_example():
@@ -27,10 +33,15 @@ def test_hand_computed_2x8_example():
   w10, w11 = 1 - 0.1 * TANH1, 1 + 0.1 * TANH2
   expected = np.array([[0, 0, w00, w00, 0, 1, 1, 0],
                        [0, -0.5 * w10, -0.5 * w10, -0.5 * w10, 0, -0.5 * w11, 0, -0.5]])
-  adv, metrics = credit.pbsd_advantages(
+  adv, turns, metrics = pbsd_advantages(
       jnp.asarray(ADVANTAGES), jnp.asarray(LOG_RATIO), jnp.zeros((2, 8)),
       jnp.asarray(TURN_IDS), max_turns=3)
   np.testing.assert_allclose(adv, expected, rtol=1e-5, atol=1e-6)
+  # The turn credit behind them (an absent turn: evidence 0, weight 1).
+  np.testing.assert_allclose(turns.evidence, [[0.1, -0.001, 0.0], [0.1, -0.2, 0.0005]],
+                             rtol=1e-5)
+  np.testing.assert_allclose(turns.filtered, [[0.1, 0.0, 0.0], [0.1, -0.2, 0.0]], rtol=1e-5)
+  np.testing.assert_allclose(turns.weights, [[w00, 1, 1], [w10, w11, 1]], rtol=1e-6)
   # Five turns exist; s > 0 on three; two are zeroed by the deadband.
   np.testing.assert_allclose(metrics["frac_evidence_pos"], 3 / 5, rtol=1e-6)
   np.testing.assert_allclose(metrics["mean_abs_evidence"],
@@ -54,7 +65,7 @@ def test_turn_evidence_rejects_unknown_reduction():
 
 
 def test_delta_to_infinity_recovers_grpo():
-  adv, _ = credit.pbsd_advantages(
+  adv, _, _ = pbsd_advantages(
       jnp.asarray(ADVANTAGES), jnp.asarray(LOG_RATIO * 50), jnp.zeros((2, 8)),
       jnp.asarray(TURN_IDS), max_turns=3, delta=1e9)
   grpo = np.where(TURN_IDS >= 0, ADVANTAGES[:, None], 0.0)
@@ -62,7 +73,7 @@ def test_delta_to_infinity_recovers_grpo():
 
 
 def test_zero_advantage_gives_zero_token_advantages():
-  adv, _ = credit.pbsd_advantages(
+  adv, _, _ = pbsd_advantages(
       jnp.zeros(2), jnp.asarray(LOG_RATIO), jnp.zeros((2, 8)), jnp.asarray(TURN_IDS), 3)
   np.testing.assert_array_equal(adv, np.zeros((2, 8)))
 
@@ -112,8 +123,8 @@ def test_swapping_teacher_and_student_mirrors_every_weight():
   logp_b = rng.normal(scale=0.1, size=(2, 8)).astype(np.float32)
   args = (jnp.asarray(TURN_IDS), 3)
   kw = dict(eps_pos=0.002, eps_neg=0.002)  # a symmetric deadband mirrors exactly
-  adv, _ = credit.pbsd_advantages(jnp.asarray(ADVANTAGES), logp_a, logp_b, *args, **kw)
-  swapped, _ = credit.pbsd_advantages(jnp.asarray(ADVANTAGES), logp_b, logp_a, *args, **kw)
+  adv, _, _ = pbsd_advantages(jnp.asarray(ADVANTAGES), logp_a, logp_b, *args, **kw)
+  swapped, _, _ = pbsd_advantages(jnp.asarray(ADVANTAGES), logp_b, logp_a, *args, **kw)
   base = np.where(TURN_IDS >= 0, ADVANTAGES[:, None], 0.0)
   np.testing.assert_allclose(np.asarray(swapped) - base, -(np.asarray(adv) - base), atol=1e-6)
   assert np.any(np.abs(np.asarray(adv) - base) > 1e-3)
@@ -123,9 +134,9 @@ def test_swapping_teacher_and_student_flips_the_direction_of_every_change():
   rng = np.random.default_rng(2)
   logp_a = rng.normal(scale=0.01, size=(2, 8)).astype(np.float32)
   logp_b = rng.normal(scale=0.01, size=(2, 8)).astype(np.float32)
-  adv, _ = credit.pbsd_advantages(jnp.asarray(ADVANTAGES), logp_a, logp_b,
+  adv, _, _ = pbsd_advantages(jnp.asarray(ADVANTAGES), logp_a, logp_b,
                                   jnp.asarray(TURN_IDS), 3)
-  swapped, _ = credit.pbsd_advantages(jnp.asarray(ADVANTAGES), logp_b, logp_a,
+  swapped, _, _ = pbsd_advantages(jnp.asarray(ADVANTAGES), logp_b, logp_a,
                                       jnp.asarray(TURN_IDS), 3)
   base = np.where(TURN_IDS >= 0, ADVANTAGES[:, None], 0.0)
   change, change_swapped = np.asarray(adv) - base, np.asarray(swapped) - base
@@ -140,7 +151,7 @@ def test_token_advantages_are_zero_off_action_tokens():
 
 
 def test_evidence_is_a_constant_to_the_optimiser():
-  grad = jax.grad(lambda lt: jnp.sum(credit.pbsd_advantages(
+  grad = jax.grad(lambda lt: jnp.sum(pbsd_advantages(
       jnp.asarray(ADVANTAGES), lt, jnp.zeros((2, 8)), jnp.asarray(TURN_IDS), 3)[0]))(
           jnp.asarray(LOG_RATIO))
   np.testing.assert_array_equal(grad, np.zeros((2, 8)))

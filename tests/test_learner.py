@@ -8,19 +8,19 @@ import numpy as np
 import pytest
 
 import multiprocess_worker as mw
-from pbsd_jax import algorithms, learner, likelihood, privileged
+from pbsd_jax import algorithms, evidence, learner, likelihood, privileged, train_state
 from pbsd_jax.algorithms import AdvantageInputs
 from pbsd_jax.models import Transformer
 
 
 def test_warmup_then_constant_schedule_values():
-  rate = learner.learning_rate_schedule(2.0, warmup_steps=4)
+  rate = train_state.learning_rate_schedule(2.0, warmup_steps=4)
   got = [float(rate(c)) for c in range(6)]
   np.testing.assert_allclose(got, [0.5, 1.0, 1.5, 2.0, 2.0, 2.0], rtol=1e-6)
 
 
 def test_warmup_then_cosine_schedule_values():
-  rate = learner.learning_rate_schedule(1.0, warmup_steps=2, total_steps=6, schedule="cosine")
+  rate = train_state.learning_rate_schedule(1.0, warmup_steps=2, total_steps=6, schedule="cosine")
   got = [float(rate(c)) for c in range(8)]
   # After warm-up, p = (c - 2) / 4: cos decay 1, (1 + cos(pi/4))/2, 1/2, (1 - cos(pi/4))/2, 0.
   c = np.cos(np.pi / 4)
@@ -29,14 +29,14 @@ def test_warmup_then_cosine_schedule_values():
 
 
 def test_optimizer_applies_the_warmup_rate_and_reports_it():
-  tx = learner.make_optimizer(lr=1.0, warmup_steps=4, grad_clip=None)
+  tx = train_state.make_optimizer(lr=1.0, warmup_steps=4, grad_clip=None)
   params = {"w": jnp.zeros(3)}
   opt_state = tx.init(params)
   rates, first_update = [], None
   for _ in range(5):
     updates, opt_state = tx.update({"w": jnp.ones(3)}, opt_state, params)
     first_update = updates["w"] if first_update is None else first_update
-    rates.append(float(learner.learning_rate(opt_state)))
+    rates.append(float(train_state.learning_rate(opt_state)))
   np.testing.assert_allclose(rates, [0.25, 0.5, 0.75, 1.0, 1.0], rtol=1e-6)
   # Adam's first step is lr * g / (|g| + eps) ~= lr: the first update already moves.
   np.testing.assert_allclose(first_update, -0.25 * np.ones(3), rtol=1e-5)
@@ -45,7 +45,7 @@ def test_optimizer_applies_the_warmup_rate_and_reports_it():
 def test_gradient_clipping_scales_the_gradient_to_the_max_norm():
   # Adam with b1 = b2 = 0 and eps = 1 maps g to g / (|g| + 1), so the update shows the
   # clipped gradient: [30, 40] (norm 50) clips to norm 1, i.e. [0.6, 0.8].
-  tx = learner.make_optimizer(lr=1.0, grad_clip=1.0, b1=0.0, b2=0.0, eps=1.0)
+  tx = train_state.make_optimizer(lr=1.0, grad_clip=1.0, b1=0.0, b2=0.0, eps=1.0)
   params = {"w": jnp.zeros(2)}
   updates, _ = tx.update({"w": jnp.array([30.0, 40.0])}, tx.init(params), params)
   np.testing.assert_allclose(updates["w"], -np.array([0.6 / 1.6, 0.8 / 1.8]), rtol=1e-6)
@@ -59,7 +59,7 @@ def test_gradient_clipping_scales_the_gradient_to_the_max_norm():
     ({"lr": 1.0, "grad_clip": 0.0}, "grad_clip")])
 def test_bad_optimizer_settings_name_the_field(kwargs, field):
   with pytest.raises(ValueError, match=field):
-    learner.make_optimizer(**kwargs)
+    train_state.make_optimizer(**kwargs)
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -73,7 +73,7 @@ def test_update_plan_that_does_not_split_the_batch_names_the_field(kwargs, field
 @functools.lru_cache(maxsize=None)
 def _sft_setup():
   config = mw.make_config()
-  tx = learner.make_optimizer(lr=3e-3, warmup_steps=0)
+  tx = train_state.make_optimizer(lr=3e-3, warmup_steps=0)
   step = learner.make_sft_step(config, tx, learner.UpdatePlan(micro_batch_size=4, chunk_size=8))
   return config, tx, step
 
@@ -113,18 +113,24 @@ def test_sft_loss_decreases_over_steps():
   assert losses[-1] < losses[0] - 0.1, losses
 
 
-def _policy_batch(seed, aggregation="token-mean"):
-  """A PolicyBatch with non-trivial ratios and advantages (no model needed)."""
+def _policy_batch(seed):
+  """A PolicyBatch and Targets with non-trivial ratios and advantages (no model needed)."""
   rollout, teacher, teacher_mask = mw.make_rollout(seed)
   rs = np.random.RandomState(seed)
   action = jnp.asarray(rollout.action_mask)
   teacher_tokens, teacher_mask = privileged.teacher_sequence(
       jnp.asarray(rollout.tokens), rollout.mask, teacher, teacher_mask)
-  return learner.PolicyBatch(
+  old_logp = jnp.asarray(-4.0 + 0.2 * rs.randn(*action.shape), jnp.float32)
+  inputs = AdvantageInputs(rewards=jnp.asarray(rollout.reward), action_mask=action,
+                           turn_ids=jnp.asarray(rollout.turn_ids), step=jnp.int32(0),
+                           max_turns=mw.MAX_TURNS, logp_student=old_logp)
+  batch = evidence.PolicyBatch(
       tokens=jnp.asarray(rollout.tokens), mask=rollout.mask, teacher_tokens=teacher_tokens,
-      teacher_mask=teacher_mask, action_mask=action, loss_mask=action,
-      advantages=jnp.where(action, rs.randn(*action.shape), 0.0).astype(jnp.float32),
-      old_logp=jnp.asarray(-4.0 + 0.2 * rs.randn(*action.shape), jnp.float32))
+      teacher_mask=teacher_mask, action_mask=action, inputs=inputs)
+  targets = learner.Targets(
+      old_logp=old_logp, loss_mask=action,
+      advantages=jnp.where(action, rs.randn(*action.shape), 0.0).astype(jnp.float32))
+  return batch, targets
 
 
 def test_gradient_accumulation_equals_the_full_batch_gradient():
@@ -132,12 +138,13 @@ def test_gradient_accumulation_equals_the_full_batch_gradient():
   algo = algorithms.get("grpo", group_size=4)
   params = mw.initial_params()
   batch = _policy_batch(3)
-  loss_fn = lambda p, b: learner.policy_loss(p, b, config=config, algo=algo, chunk_size=8)
+  loss_fn = lambda p, b: learner.policy_loss(p, *b, config=config, algo=algo, chunk_size=8)
 
   @jax.jit
   def both(params, batch):
     full_loss, full_grads = jax.value_and_grad(lambda p: loss_fn(p, batch)[0])(params)
-    micro = jax.tree.map(lambda x: x.reshape(4, 4, *x.shape[1:]), batch)
+    rows_only = (batch[0].replace(inputs=None), batch[1])
+    micro = jax.tree.map(lambda x: x.reshape(4, 4, *x.shape[1:]), rows_only)
     loss, grads, _, _ = learner.accumulate_gradients(loss_fn, params, micro)
     return full_loss, full_grads, loss, grads
 
@@ -160,22 +167,16 @@ def test_accumulation_weights_make_every_aggregation_exact(aggregation):
 
   def loss_fn(w, b):
     xb, mb, ab = b
-    loss, metrics = algo.loss(xb * w, jnp.zeros_like(xb), ab, mb)
-    return loss, (learner.loss_weight(aggregation, mb), metrics)
+    loss, weight, metrics = algo.loss(xb * w, jnp.zeros_like(xb), ab, mb)
+    return loss, (weight, metrics)
 
   w = jnp.asarray(0.3 * rs.randn(6), jnp.float32)
   full_loss, full_grad = jax.value_and_grad(lambda w: loss_fn(w, batch)[0])(w)
   micro = jax.tree.map(lambda a: a.reshape(4, 2, 6), batch)
   loss, grad, _, weight = learner.accumulate_gradients(loss_fn, w, micro)
-  assert float(weight) == float(learner.loss_weight(aggregation, mask))
+  assert float(weight) == float(algorithms.aggregate_loss(x, mask, aggregation)[1])
   np.testing.assert_allclose(loss, full_loss, rtol=1e-5)
   np.testing.assert_allclose(grad, full_grad, rtol=1e-5, atol=1e-7)
-
-
-def test_loss_weight_counts_loss_tokens_or_rows_with_tokens():
-  mask = jnp.asarray([[1, 1, 0], [0, 0, 0], [1, 0, 1]], bool)
-  assert float(learner.loss_weight("token-mean", mask)) == 4.0
-  assert float(learner.loss_weight("seq-mean-token-mean", mask)) == 2.0
 
 
 def test_nan_in_the_advantages_skips_every_update_and_keeps_the_state():
@@ -195,7 +196,7 @@ def test_nan_in_the_advantages_skips_every_update_and_keeps_the_state():
 
 
 def test_apply_update_skips_a_non_finite_gradient_and_reports_it():
-  tx = learner.make_optimizer(lr=0.1)
+  tx = train_state.make_optimizer(lr=0.1)
   params = {"w": jnp.ones(2)}
   opt_state = tx.init(params)
   grads = {"w": jnp.array([1.0, jnp.inf])}
@@ -213,7 +214,7 @@ def test_apply_update_skips_a_non_finite_gradient_and_reports_it():
 def test_apply_update_without_loss_tokens_keeps_the_state():
   # AdamW would still move on a zero gradient (weight decay); a batch with nothing to learn
   # from must not.
-  tx = learner.make_optimizer(lr=0.1, weight_decay=0.5)
+  tx = train_state.make_optimizer(lr=0.1, weight_decay=0.5)
   params = {"w": jnp.ones(2)}
   opt_state = tx.init(params)
   new_params, new_opt, info = learner.apply_update(params, opt_state, {"w": jnp.zeros(2)},
@@ -233,9 +234,11 @@ def test_policy_batch_recomputes_evidence_with_current_params(name):
   rollout, teacher, teacher_mask = mw.make_rollout(12)
   # The sampler's log-probs must never be used: make them garbage.
   rollout = rollout.replace(sample_logp=np.full_like(rollout.sample_logp, 123.0))
-  batch, metrics = jax.jit(functools.partial(
-      learner.policy_batch, config=config, algo=algo, max_turns=mw.MAX_TURNS))(
+  batch = jax.jit(functools.partial(
+      evidence.policy_batch, config=config, algo=algo, max_turns=mw.MAX_TURNS))(
           params, rollout, teacher, teacher_mask, jnp.int32(0))
+  targets, _ = learner.policy_targets(algo, batch.inputs, batch.inputs.logp_student)
+  metrics = evidence.rollout_metrics(rollout)
 
   @jax.jit
   def reference(params, rollout, teacher, teacher_mask):
@@ -246,8 +249,8 @@ def test_policy_batch_recomputes_evidence_with_current_params(name):
     score = functools.partial(likelihood.token_logprobs, params, config,
                               score_from=rollout.prompt_width)
     student = score(tokens, mask)
-    divergence, entropy = likelihood.token_divergence(params, params, config, tokens, mask,
-                                                      t_tokens, t_mask, with_entropy=True)
+    divergence, entropy, _ = likelihood.token_divergence(params, params, config, tokens, mask,
+                                                         t_tokens, t_mask)
     advantages, loss_mask, _ = algo.advantages(AdvantageInputs(
         rewards=rollout.reward, action_mask=rollout.action_mask, turn_ids=rollout.turn_ids,
         step=jnp.int32(0), max_turns=mw.MAX_TURNS, logp_student=student,
@@ -256,9 +259,10 @@ def test_policy_batch_recomputes_evidence_with_current_params(name):
     return student, advantages, loss_mask, t_tokens
 
   student, advantages, loss_mask, t_tokens = reference(params, rollout, teacher, teacher_mask)
-  np.testing.assert_allclose(batch.old_logp, student, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(batch.advantages, advantages, rtol=1e-5, atol=1e-6)
-  np.testing.assert_array_equal(batch.loss_mask, loss_mask)
+  np.testing.assert_allclose(batch.inputs.logp_student, student, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(targets.old_logp, student, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(targets.advantages, advantages, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(targets.loss_mask, loss_mask)
   np.testing.assert_array_equal(batch.teacher_tokens, t_tokens)
   np.testing.assert_allclose(metrics["accuracy"], np.mean(rollout.reward))
   np.testing.assert_allclose(metrics["mean_action_tokens"],
@@ -270,8 +274,8 @@ def test_on_policy_step_equals_the_separate_old_logprob_pass(name):
   """One update in one pass: the update's own forward stands in for the student pass.
 
   Same parameters, optimiser state and metrics as running `policy_batch` (student pass) and
-  then `ppo_update` on the finished batch; only the ratio's base is exact (1) instead of the
-  recomputed old log-probs' last bits.
+  then `ppo_update` on it; only the ratio's base is exact (1) instead of the recomputed old
+  log-probs' last bits.
   """
   config = mw.make_config()
   algo = algorithms.get(name, group_size=4, **({"delta": 0.05} if name == "pbsd" else {}))
@@ -284,13 +288,13 @@ def test_on_policy_step_equals_the_separate_old_logprob_pass(name):
   def both(state, rollout, teacher, teacher_mask):
     fused, fused_metrics = learner.rl_step(state, rollout, teacher, teacher_mask, config=config,
                                            tx=tx, algo=algo, max_turns=mw.MAX_TURNS, plan=plan)
-    batch, adv_metrics = learner.policy_batch(state.params, rollout, teacher, teacher_mask,
-                                              state.step, config=config, algo=algo,
-                                              max_turns=mw.MAX_TURNS, chunk_size=8)
-    assert batch.pending is None
+    batch = evidence.policy_batch(state.params, rollout, teacher, teacher_mask, state.step,
+                                  config=config, algo=algo, max_turns=mw.MAX_TURNS,
+                                  chunk_size=8)
+    assert batch.inputs.logp_student is not None
     separate, metrics = learner.ppo_update(state, batch, config=config, tx=tx, algo=algo,
                                            plan=plan)
-    return fused, fused_metrics, separate, {**adv_metrics, **metrics}
+    return fused, fused_metrics, separate, {**evidence.rollout_metrics(rollout), **metrics}
 
   fused, fused_metrics, separate, metrics = both(mw.initial_state(tx), rollout, teacher,
                                                  teacher_mask)
@@ -310,35 +314,39 @@ def test_on_policy_step_equals_the_separate_old_logprob_pass(name):
              zip(jax.tree.leaves(fused.params), jax.tree.leaves(before))) > 1e-4
 
 
-def test_pending_advantages_need_an_on_policy_plan():
+def test_an_update_without_the_student_pass_needs_an_on_policy_plan():
   config = mw.make_config()
   algo = algorithms.get("grpo", group_size=4)
   rollout, teacher, teacher_mask = mw.make_rollout(12)
-  batch, _ = learner.policy_batch(mw.initial_params(), rollout, teacher, teacher_mask,
-                                  jnp.int32(0), config=config, algo=algo,
-                                  max_turns=mw.MAX_TURNS, on_policy=True)
-  assert batch.old_logp is None and batch.pending is not None
+  batch = evidence.policy_batch(mw.initial_params(), rollout, teacher, teacher_mask,
+                                jnp.int32(0), config=config, algo=algo,
+                                max_turns=mw.MAX_TURNS, score_student=False)
+  assert batch.inputs.logp_student is None
   tx = mw.make_tx()
   with pytest.raises(ValueError, match="on_policy"):
     learner.ppo_update(mw.initial_state(tx), batch, config=config, tx=tx, algo=algo,
                        plan=learner.UpdatePlan(minibatches=2))
+  with pytest.raises(ValueError, match="UpdatePlan.on_policy"):
+    learner.on_policy_update(mw.initial_state(tx), batch, config=config, tx=tx, algo=algo,
+                             plan=learner.UpdatePlan(minibatches=2))
 
 
 def test_opsd_loss_vanishes_when_the_teacher_is_the_student():
   config = mw.make_config()
   algo = algorithms.get("opsd", group_size=4)
   params = mw.initial_params()
-  batch = _policy_batch(5)
+  batch, targets = _policy_batch(5)
   batch = batch.replace(teacher_tokens=batch.tokens, teacher_mask=batch.mask)
   loss, (_, metrics) = jax.jit(functools.partial(learner.policy_loss, config=config,
-                                                 algo=algo))(params, batch, teacher_params=params)
+                                                 algo=algo))(params, batch, targets,
+                                                             teacher_params=params)
   np.testing.assert_allclose(float(metrics["opsd/distill_loss"]), 0.0, atol=1e-6)
   np.testing.assert_allclose(float(loss), 0.0, atol=1e-6)
 
 
 def test_opsd_steps_pull_the_student_towards_the_frozen_teacher():
   config = mw.make_config()
-  tx = learner.make_optimizer(lr=1e-3)
+  tx = train_state.make_optimizer(lr=1e-3)
   algo = algorithms.get("opsd", group_size=4)
   step = learner.make_rl_step(config, tx, algo, mw.MAX_TURNS, learner.UpdatePlan(chunk_size=8))
   teacher_params = mw.initial_params()  # the frozen initial model, on the privileged prompt
@@ -355,5 +363,5 @@ def test_opsd_steps_pull_the_student_towards_the_frozen_teacher():
 def test_distillation_without_teacher_params_is_an_error():
   tx = mw.make_tx()
   with pytest.raises(ValueError, match="teacher_params"):
-    learner.ppo_update(mw.initial_state(tx), _policy_batch(5), config=mw.make_config(), tx=tx,
-                       algo=algorithms.get("opsd", group_size=4))
+    learner.ppo_update(mw.initial_state(tx), _policy_batch(5)[0], config=mw.make_config(),
+                       tx=tx, algo=algorithms.get("opsd", group_size=4))

@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
 import multiprocess_worker as mw
-from pbsd_jax import learner, sharding
+from pbsd_jax import learner, sharding, train_state
 from pbsd_jax.models.transformer import param_axes, param_shapes
 
 
@@ -127,7 +127,7 @@ def test_rl_step_on_a_2x2x2_mesh_matches_one_device_and_shards_big_params():
   config = mw.make_config()
   tx, _ = mw.reference_step()
   mesh = sharding.make_mesh(2, 2, 2)
-  state = mw.initial_state(tx, learner.train_state_shardings(config, tx, mesh))
+  state = mw.initial_state(tx, train_state.train_state_shardings(config, tx, mesh))
   step = learner.make_rl_step(config, tx, mw.make_algo(), mw.MAX_TURNS, mw.make_plan(), mesh)
   metrics = []
   for seed in (10, 11):
@@ -153,7 +153,7 @@ def test_on_policy_rl_step_on_a_2x2x2_mesh_matches_one_device():
   mesh = sharding.make_mesh(2, 2, 2)
   assert plan.on_policy(mw.BATCH, sharding.num_batch_shards(mesh))
   rollout = mw.make_rollout(10)
-  state = mw.initial_state(tx, learner.train_state_shardings(config, tx, mesh))
+  state = mw.initial_state(tx, train_state.train_state_shardings(config, tx, mesh))
   state, metrics = learner.make_rl_step(config, tx, algo, mw.MAX_TURNS, plan, mesh)(
       state, *rollout)
   ref, ref_metrics = learner.make_rl_step(config, tx, algo, mw.MAX_TURNS, plan)(

@@ -7,25 +7,29 @@ registered algorithms: `grpo`, `pbsd`, `opsd`, `rlsd`, `gear` (DESIGN.md §2). E
 with the DAPO switches plus its own fields; see each class for the defaults.
 
 The protocol (what the learner calls, per step; the teacher view of a rollout is
-`privileged.teacher_sequence(tokens, mask, teacher_prompt, teacher_prompt_mask)`):
+`privileged.teacher_sequence(tokens, mask, teacher_prompt, teacher_prompt_mask)`;
+`pbsd_jax.evidence` and `pbsd_jax.learner` implement it):
 
-1. Evidence, under `stop_gradient`, with the pre-update parameters (and, for MoE, with
-   `routes=rollout routes if algo.replay_routing else None`):
+1. Evidence, under `stop_gradient`, with the pre-update parameters:
    - `logp = likelihood.dual_logprobs(params, config, student_tokens, student_mask,
-     teacher_tokens, teacher_mask)`; `logp[0]` is the student half (also the PPO "old"
-     log-probs), `logp[1]` the teacher half. When `'logp_teacher'` is not in `algo.needs`,
-     the student half alone (`token_logprobs`) is enough;
-   - if `'divergence'` or `'entropy'` is in `algo.needs`: `divergence, entropy =
-     likelihood.token_divergence(params, params, config, ..., beta=1.0, with_entropy=True)`.
+     teacher_tokens, teacher_mask)` when `'logp_teacher'` is in `algo.needs`; `logp[0]` is the
+     student half (also the PPO "old" log-probs), `logp[1]` the teacher half. Otherwise the
+     student half alone (`token_logprobs`) is enough;
+   - if `'divergence'` or `'entropy'` is in `algo.needs`: `likelihood.token_divergence(params,
+     params, config, ..., beta=1.0)` gives the divergence, the entropy and the student
+     log-probs from one student forward.
 2. `advantages, loss_mask, metrics = algo.advantages(AdvantageInputs(rewards=..., action_mask=
    ..., turn_ids=..., step=..., max_turns=K, logp_student=logp[0], logp_teacher=logp[1],
    ...))`: `f32[B, T]`, `bool[B, T]`, dict of scalars. Fields in `algo.needs` are required.
+   `algo.turn_credit(outcome, inputs)` gives the per-turn evidence behind them (None for an
+   algorithm that computes none), for the credit page.
 3. Inside the differentiated function of the trained parameters `p`:
-   - `new_logp = likelihood.token_logprobs(p, config, student_tokens, student_mask)`;
-   - `divergence = likelihood.token_divergence(p, initial_params, config, ...,
-     beta=algo.distillation_beta)` only when `algo.distillation_beta is not None` (OPSD);
-   - `loss, metrics = algo.loss(new_logp, old_logp, advantages, loss_mask,
-     divergence=divergence_or_None)`: a scalar and a dict of scalars (`pg_clipfrac`, ...).
+   - `new_logp = likelihood.token_logprobs(p, config, student_tokens, student_mask)`, or, when
+     `algo.distillation_beta is not None` (OPSD), the `logp` and `divergence` of one
+     `likelihood.token_divergence(p, initial_params, config, ..., beta=algo.distillation_beta)`;
+   - `loss, weight, metrics = algo.loss(new_logp, old_logp, advantages, loss_mask,
+     divergence=divergence_or_None)`: a scalar, what it is a mean over (loss tokens or rows),
+     and a dict of scalars (`pg_clipfrac`, ...).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from pbsd_jax.algorithms.inputs import AdvantageInputs
 from pbsd_jax.algorithms.opsd import OPSD, distillation_loss
 from pbsd_jax.algorithms.pbsd import PBSD
 from pbsd_jax.algorithms.policy_loss import (AGGREGATIONS, aggregate_loss, clipped_surrogate,
-                                             policy_loss)
+                                             masked_mean, policy_loss)
 from pbsd_jax.algorithms.rlsd import RLSD, rlsd_credit, rlsd_lambda
 
 Algorithm = GRPO  # every registered algorithm is a GRPO subclass
@@ -88,5 +92,5 @@ def _fields(cls) -> list:
 __all__ = ["AGGREGATIONS", "AdvantageInputs", "Algorithm", "GEAR", "GRPO", "OPSD", "PBSD",
            "RLSD", "aggregate_loss", "clipped_surrogate", "distillation_loss",
            "dynamic_sampling_mask", "gear_scale", "gear_segments", "get", "group_advantages",
-           "hyperparameters", "names", "overlong_penalty", "policy_loss", "rlsd_credit",
-           "rlsd_lambda"]
+           "hyperparameters", "masked_mean", "names", "overlong_penalty", "policy_loss",
+           "rlsd_credit", "rlsd_lambda"]

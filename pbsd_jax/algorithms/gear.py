@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from pbsd_jax.algorithms.grpo import GRPO
 from pbsd_jax.algorithms.inputs import AdvantageInputs
+from pbsd_jax.algorithms.policy_loss import masked_mean
 
 Array = jax.Array
 
@@ -105,12 +106,10 @@ class GEAR(GRPO):
                                           self.kl_threshold, self.entropy_threshold)
     scale = jnp.where(in_segment, gear_scale(anchor_kl, self.kl_threshold, self.segment_gain,
                                              self.kl_temperature), 1.0)
-    action = inputs.action_mask.astype(jnp.float32)
-    seg = in_segment.astype(jnp.float32)
     metrics = {
-        "gear/frac_tokens_in_segment": jnp.sum(seg) / jnp.maximum(jnp.sum(action), 1.0),
+        "gear/frac_tokens_in_segment": masked_mean(in_segment, inputs.action_mask),
         "gear/anchors_per_trajectory": jnp.mean(jnp.sum(
             inputs.action_mask & (divergence > self.kl_threshold), axis=1)),
-        "gear/segment_scale_mean": jnp.sum(scale * seg) / jnp.maximum(jnp.sum(seg), 1.0),
+        "gear/segment_scale_mean": masked_mean(scale, in_segment),
     }
     return outcome[:, None] * scale, metrics

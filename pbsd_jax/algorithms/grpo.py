@@ -14,6 +14,7 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from pbsd_jax import credit
 from pbsd_jax.algorithms.inputs import AdvantageInputs
 from pbsd_jax.algorithms.policy_loss import AGGREGATIONS, policy_loss
 
@@ -102,9 +103,6 @@ class GRPO:
     overlong_max_len: DAPO overlong penalty on the action-token count; None disables.
     overlong_buffer_len: the penalty's ramp width.
     overlong_factor: the penalty's magnitude.
-    replay_routing: MoE only: evaluate the pre-update evidence pass under the rollout's
-      recorded expert routes (an ablation; DESIGN §2 "Non-replay evidence recomputation"
-      wants False).
   """
 
   name: ClassVar[str] = "grpo"
@@ -124,7 +122,6 @@ class GRPO:
   overlong_max_len: int | None = None
   overlong_buffer_len: int = 0
   overlong_factor: float = 1.0
-  replay_routing: bool = False
 
   def __post_init__(self):
     self.validate()
@@ -175,6 +172,18 @@ class GRPO:
     for field in sorted(self.needs):
       if getattr(inputs, field) is None:
         raise ValueError(f"{self.name} needs AdvantageInputs.{field}, which is None")
+    outcome, metrics = self.outcome_advantages(inputs)
+    loss_mask = inputs.action_mask.astype(bool)
+    if self.dynamic_sampling:
+      keep = dynamic_sampling_mask(inputs.rewards, self.group_size)
+      loss_mask = loss_mask & keep[:, None]
+      metrics["frac_groups_kept"] = jnp.mean(keep.astype(jnp.float32))
+    token_adv, extra = self.token_advantages(outcome, inputs)
+    return jnp.where(loss_mask, token_adv, 0.0), loss_mask, {**metrics, **extra}
+
+  def outcome_advantages(self, inputs: AdvantageInputs) -> tuple[Array, dict]:
+    """`f32[B]` group-normalised outcome advantages `A_i` (after the overlong penalty) and
+    the reward metrics."""
     rewards = inputs.rewards.astype(jnp.float32)
     metrics = {"reward_mean": jnp.mean(rewards)}
     if self.overlong_max_len is not None:
@@ -184,20 +193,20 @@ class GRPO:
       metrics["overlong_penalty_mean"] = jnp.mean(penalty)
     outcome = group_advantages(rewards, self.group_size, self.std_ddof, self.adv_eps,
                                self.normalize_std)
-    loss_mask = inputs.action_mask.astype(bool)
-    if self.dynamic_sampling:
-      keep = dynamic_sampling_mask(inputs.rewards, self.group_size)
-      loss_mask = loss_mask & keep[:, None]
-      metrics["frac_groups_kept"] = jnp.mean(keep.astype(jnp.float32))
-    token_adv, extra = self.token_advantages(outcome, inputs)
-    return jnp.where(loss_mask, token_adv, 0.0), loss_mask, {**metrics, **extra}
+    return outcome, metrics
+
+  def turn_credit(self, outcome: Array, inputs: AdvantageInputs) -> credit.TurnCredit | None:
+    """Per-turn evidence and weights behind the token advantages (the credit page), or None
+    for an algorithm that computes no teacher-student evidence (GRPO)."""
+    del outcome, inputs
+    return None
 
   def token_advantages(self, outcome: Array, inputs: AdvantageInputs) -> tuple[Array, dict]:
     """Spreads `outcome: f32[B]` over tokens: `f32[B, T]` (GRPO: the same on every token)."""
     return jnp.broadcast_to(outcome[:, None], inputs.action_mask.shape), {}
 
   def loss(self, logp: Array, old_logp: Array, advantages: Array, loss_mask: Array, *,
-           divergence: Array | None = None) -> tuple[Array, dict]:
+           divergence: Array | None = None) -> tuple[Array, Array, dict]:
     """The clipped policy-gradient loss (`policy_loss`).
 
     Args:
@@ -207,13 +216,14 @@ class GRPO:
       divergence: must be None (only distillation losses take one).
 
     Returns:
-      `(scalar loss, metrics)`.
+      `(scalar loss, weight, metrics)`: the weight is what the loss is a mean over
+      (`aggregate_loss`), so micro-batches accumulate exactly.
     """
     if divergence is not None:
       raise ValueError(f"{self.name} takes no divergence (distillation_beta is None)")
     return self.pg_loss(logp, old_logp, advantages, loss_mask)
 
-  def pg_loss(self, logp, old_logp, advantages, loss_mask) -> tuple[Array, dict]:
+  def pg_loss(self, logp, old_logp, advantages, loss_mask) -> tuple[Array, Array, dict]:
     """`policy_loss` with this algorithm's clip and aggregation settings."""
     return policy_loss(logp, old_logp, advantages, loss_mask, eps_low=self.eps_low,
                        eps_high=self.eps_high, dual_clip=self.dual_clip,

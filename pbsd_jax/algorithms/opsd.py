@@ -21,6 +21,7 @@ import dataclasses
 from typing import ClassVar
 
 import jax
+import jax.numpy as jnp
 
 from pbsd_jax.algorithms.grpo import GRPO
 from pbsd_jax.algorithms.policy_loss import masked_mean
@@ -53,6 +54,10 @@ class OPSD(GRPO):
       self._fail("beta", self.beta, "must be in [0, 1]")
     if self.rl_coef < 0:
       self._fail("rl_coef", self.rl_coef, "must be >= 0")
+    if self.rl_coef and self.aggregation != "token-mean":
+      # Both terms must be means over the same items for micro-batches to accumulate exactly.
+      self._fail("aggregation", self.aggregation,
+                 "must be 'token-mean' (the distillation term's) when rl_coef > 0")
 
   @property
   def distillation_beta(self) -> float:
@@ -60,7 +65,7 @@ class OPSD(GRPO):
     return self.beta
 
   def loss(self, logp: Array, old_logp: Array, advantages: Array, loss_mask: Array, *,
-           divergence: Array | None = None) -> tuple[Array, dict]:
+           divergence: Array | None = None) -> tuple[Array, Array, dict]:
     """Distillation loss plus `rl_coef` times the GRPO loss.
 
     Args:
@@ -70,12 +75,14 @@ class OPSD(GRPO):
         in the student parameters. Required.
 
     Returns:
-      `(scalar loss, metrics)` with `opsd/distill_loss` and the PG metrics.
+      `(scalar loss, weight, metrics)`: the weight is the loss tokens (a token mean);
+      metrics `opsd/distill_loss` and the PG metrics.
     """
     if divergence is None:
       raise ValueError("opsd needs divergence=token_divergence(params, initial_params, ..., "
                        "beta=distillation_beta) in its loss")
     distill = distillation_loss(divergence, loss_mask)
-    pg, metrics = self.pg_loss(logp, old_logp, advantages, loss_mask)
+    pg, _, metrics = self.pg_loss(logp, old_logp, advantages, loss_mask)
     loss = distill + self.rl_coef * pg if self.rl_coef else distill
-    return loss, {**metrics, "opsd/distill_loss": distill}
+    weight = jnp.sum(loss_mask).astype(jnp.float32)
+    return loss, weight, {**metrics, "opsd/distill_loss": distill}

@@ -59,8 +59,15 @@ class PBSD(GRPO):
 
   def token_advantages(self, outcome: Array, inputs: AdvantageInputs) -> tuple[Array, dict]:
     """`credit.pbsd_advantages` of the outcome advantages; metrics under `credit/`."""
-    adv, metrics = credit.pbsd_advantages(
+    adv, _, metrics = self._credit(outcome, inputs)
+    return adv, {f"credit/{k}": v for k, v in metrics.items()}
+
+  def turn_credit(self, outcome: Array, inputs: AdvantageInputs) -> credit.TurnCredit:
+    """Turn evidence `s`, deadbanded `s~` and weights `w`, as `token_advantages` uses them."""
+    return self._credit(outcome, inputs)[1]
+
+  def _credit(self, outcome: Array, inputs: AdvantageInputs):
+    return credit.pbsd_advantages(
         outcome, inputs.logp_teacher, inputs.logp_student, inputs.turn_ids, inputs.max_turns,
         delta=self.delta, clip=self.clip, eps_pos=self.eps_pos, eps_neg=self.eps_neg,
         reduction=self.reduction, form=self.form)
-    return adv, {f"credit/{k}": v for k, v in metrics.items()}

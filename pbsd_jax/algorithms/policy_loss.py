@@ -63,7 +63,7 @@ def clipped_surrogate(logp: Array, old_logp: Array, advantages: Array, mask: Arr
 
 
 def aggregate_loss(token_loss: Array, mask: Array, mode: str = "token-mean",
-                   norm_len: float | None = None) -> Array:
+                   norm_len: float | None = None) -> tuple[Array, Array]:
   """Reduces `token_loss: f32[B, T]` over `mask: bool[B, T]` to a scalar (module docstring).
 
   Args:
@@ -71,22 +71,30 @@ def aggregate_loss(token_loss: Array, mask: Array, mode: str = "token-mean",
     mask: `bool[B, T]`.
     mode: one of `AGGREGATIONS`.
     norm_len: the constant of `seq-mean-token-sum-norm` (default T).
+
+  Returns:
+    `(loss, weight)`: the loss and `f32[]` what it is a mean over -- the loss tokens for
+    `token-mean`, the rows with loss tokens for the `seq-mean-*` modes. Weighting micro-batches
+    by it makes their accumulated loss and gradient equal the whole batch's exactly
+    (`learner.accumulate_gradients`).
   """
   if mode not in AGGREGATIONS:
     raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {mode!r}")
   mask = mask.astype(jnp.float32)
   loss = token_loss * mask
   if mode == "token-mean":
-    return jnp.sum(loss) / jnp.maximum(jnp.sum(mask), 1.0)
+    count = jnp.sum(mask)
+    return jnp.sum(loss) / jnp.maximum(count, 1.0), count
   per_row = jnp.sum(loss, axis=-1)
   tokens = jnp.sum(mask, axis=-1)
-  num_rows = jnp.maximum(jnp.sum(tokens > 0), 1).astype(jnp.float32)
+  rows = jnp.sum(tokens > 0).astype(jnp.float32)
+  num_rows = jnp.maximum(rows, 1.0)
   if mode == "seq-mean-token-mean":
-    return jnp.sum(per_row / jnp.maximum(tokens, 1.0)) / num_rows
+    return jnp.sum(per_row / jnp.maximum(tokens, 1.0)) / num_rows, rows
   if mode == "seq-mean-token-sum":
-    return jnp.sum(per_row) / num_rows
+    return jnp.sum(per_row) / num_rows, rows
   norm = token_loss.shape[1] if norm_len is None else norm_len
-  return jnp.sum(per_row) / (num_rows * norm)
+  return jnp.sum(per_row) / (num_rows * norm), rows
 
 
 def masked_mean(x: Array, mask: Array) -> Array:
@@ -98,22 +106,23 @@ def masked_mean(x: Array, mask: Array) -> Array:
 def policy_loss(logp: Array, old_logp: Array, advantages: Array, mask: Array, *,
                 eps_low: float = 0.2, eps_high: float = 0.28, dual_clip: float | None = None,
                 aggregation: str = "token-mean",
-                norm_len: float | None = None) -> tuple[Array, dict]:
-  """The aggregated clipped policy-gradient loss and its diagnostics.
+                norm_len: float | None = None) -> tuple[Array, Array, dict]:
+  """The aggregated clipped policy-gradient loss, its weight and its diagnostics.
 
   Args: as `clipped_surrogate` and `aggregate_loss`.
 
   Returns:
-    `(scalar loss, metrics)`: `pg_loss`, `pg_clipfrac` (tokens whose ratio clip is active),
-    `pg_clipfrac_lower` (tokens capped by the dual clip), `ppo_kl` (mean `old_logp - logp`).
+    `(scalar loss, weight, metrics)`: the weight of `aggregate_loss`; metrics `pg_loss`,
+    `pg_clipfrac` (tokens whose ratio clip is active), `pg_clipfrac_lower` (tokens capped by
+    the dual clip), `ppo_kl` (mean `old_logp - logp`).
   """
   token_loss, clipped, dual_clipped = clipped_surrogate(
       logp, old_logp, advantages, mask, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip)
-  loss = aggregate_loss(token_loss, mask, aggregation, norm_len)
+  loss, weight = aggregate_loss(token_loss, mask, aggregation, norm_len)
   metrics = {
       "pg_loss": loss,
       "pg_clipfrac": masked_mean(clipped, mask),
       "pg_clipfrac_lower": masked_mean(dual_clipped, mask),
       "ppo_kl": masked_mean(jax.lax.stop_gradient(old_logp - logp), mask),
   }
-  return loss, metrics
+  return loss, weight, metrics

@@ -14,8 +14,10 @@ from typing import ClassVar
 import jax
 import jax.numpy as jnp
 
+from pbsd_jax import credit
 from pbsd_jax.algorithms.grpo import GRPO
 from pbsd_jax.algorithms.inputs import AdvantageInputs
+from pbsd_jax.algorithms.policy_loss import masked_mean
 
 Array = jax.Array
 
@@ -65,10 +67,22 @@ class RLSD(GRPO):
 
   def token_advantages(self, outcome: Array, inputs: AdvantageInputs) -> tuple[Array, dict]:
     """`A_i * credit_j`; metrics `rlsd/lambda` and the mean credit over action tokens."""
+    lam, token_credit = self._token_credit(outcome, inputs)
+    return outcome[:, None] * token_credit, {
+        "rlsd/lambda": lam,
+        "rlsd/credit_mean": masked_mean(token_credit, inputs.action_mask)}
+
+  def turn_credit(self, outcome: Array, inputs: AdvantageInputs) -> credit.TurnCredit:
+    """Per turn: the mean evidence `D_j` (RLSD has no deadband: `filtered` is the same) and
+    the mean token credit as the turn's weight."""
+    _, token_credit = self._token_credit(outcome, inputs)
+    log_ratio = jax.lax.stop_gradient(inputs.logp_teacher - inputs.logp_student)
+    evidence = credit.turn_evidence(log_ratio, inputs.turn_ids, inputs.max_turns)
+    weights = credit.turn_evidence(token_credit, inputs.turn_ids, inputs.max_turns)
+    exists = credit.turn_token_counts(inputs.turn_ids, inputs.max_turns) > 0
+    return credit.TurnCredit(evidence=evidence, filtered=evidence,
+                             weights=jnp.where(exists, weights, 1.0))
+
+  def _token_credit(self, outcome: Array, inputs: AdvantageInputs) -> tuple[Array, Array]:
     lam = rlsd_lambda(inputs.step, self.lam_init, self.lam_decay_steps)
-    token_credit = rlsd_credit(outcome, inputs.logp_teacher, inputs.logp_student, lam,
-                               self.eps_w)
-    mask = inputs.action_mask.astype(jnp.float32)
-    mean_credit = jnp.sum(token_credit * mask) / jnp.maximum(jnp.sum(mask), 1.0)
-    return outcome[:, None] * token_credit, {"rlsd/lambda": lam,
-                                             "rlsd/credit_mean": mean_credit}
+    return lam, rlsd_credit(outcome, inputs.logp_teacher, inputs.logp_student, lam, self.eps_w)
