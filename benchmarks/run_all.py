@@ -6,7 +6,7 @@
 2. runs each of our scripts (`benchmarks/ours_*.py`, this interpreter) and each peer script
    (`benchmarks/peers/*.py`, `--peers-python`), one process each, one after the other;
 3. reads the `RESULT {json}` line each prints last, and prints one markdown table of the
-   targets of issue 7 (measured ratio, target, met or not) with the raw figures beneath;
+   benchmark targets (measured ratio, target, met or not) with the raw figures beneath;
 4. writes it, with the machine and the exact command, into `docs/benchmarks.md` between the
    `<!-- results -->` markers (the prose around them is kept).
 

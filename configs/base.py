@@ -3,11 +3,14 @@
 Load with `config_flags.DEFINE_config_file('config')` and override from the command line, e.g.
 `--config=configs/pbsd.py --config.pbsd.delta=0.2 --config.rl.steps=50`.
 `pbsd_jax.run_config.validate` checks a config at start-up and names the field it rejects.
-Optional algorithm values use 0 for "off" (`grpo.dual_clip`, `grpo.norm_len`,
-`grpo.overlong_max_len`) so every field has a type the command line can parse.
+The algorithm sections take their defaults from the algorithms themselves
+(`run_config.algorithm_sections`); optional algorithm values use 0 for "off" (`grpo.dual_clip`,
+`grpo.norm_len`, `grpo.overlong_max_len`) so every field has a type the command line can parse.
 """
 
 import ml_collections
+
+from pbsd_jax import run_config
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -50,7 +53,7 @@ def get_config() -> ml_collections.ConfigDict:
                                          max_examples=0))
 
   # Evaluation (paper: top-p 0.95).
-  c.eval = ml_collections.ConfigDict(dict(every=0, num_examples=200, temperature=1.0,
+  c.eval = ml_collections.ConfigDict(dict(num_examples=200, temperature=1.0,
                                           top_p=0.95, pass_k=(1, 2, 4, 8, 16)))
 
   # Mesh ('data', 'fsdp', 'tensor'); -1 takes the remaining devices.
@@ -59,17 +62,8 @@ def get_config() -> ml_collections.ConfigDict:
   c.checkpoint = ml_collections.ConfigDict(dict(save_interval_steps=10, max_to_keep=3,
                                                 async_save=True))
 
-  # Algorithm hyperparameters: `grpo` is shared by every algorithm; each other section holds
-  # its own (DESIGN.md §2 defaults).
-  c.grpo = ml_collections.ConfigDict(dict(
-      group_size=8, std_ddof=1, adv_eps=1e-6, normalize_std=True, eps_low=0.2, eps_high=0.28,
-      dual_clip=0.0, aggregation="token-mean", norm_len=0.0, dynamic_sampling=False,
-      overlong_max_len=0, overlong_buffer_len=0, overlong_factor=1.0))
-  c.pbsd = ml_collections.ConfigDict(dict(delta=0.1, clip=0.1, eps_pos=0.001, eps_neg=0.003,
-                                          reduction="mean", form="tanh",
-                                          replay_routing=False))
-  c.opsd = ml_collections.ConfigDict(dict(beta=1.0, rl_coef=0.0))
-  c.rlsd = ml_collections.ConfigDict(dict(lam_init=0.5, lam_decay_steps=50, eps_w=0.2))
-  c.gear = ml_collections.ConfigDict(dict(kl_threshold=0.4, entropy_threshold=1.5,
-                                          segment_gain=0.5, kl_temperature=1.0))
+  # Algorithm hyperparameters (DESIGN.md §2 defaults, from pbsd_jax.algorithms): `grpo` is
+  # shared by every algorithm; each other section holds its own.
+  for name, section in run_config.algorithm_sections().items():
+    c[name] = ml_collections.ConfigDict(section)
   return c

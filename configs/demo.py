@@ -9,7 +9,7 @@ Longer SFT saturates the task and leaves RL nothing to improve: from the 87.5% c
 PBSD steps added 3.5 points; from 48.0%, 50 steps added 16.0; from 57.5%, 19.5 (this config).
 
 RL departs from the paper's large-model values where the tiny model needs it (each measured on
-an earlier, 35%-accurate SFT checkpoint; see the issue-5 note):
+an earlier, 35%-accurate SFT checkpoint):
 - rollout temperature 0.5: at 1.0 only 2-6% of training rollouts solve their question (greedy:
   35%), so almost every group has zero advantage; at 0.5, ~30% do.
 - lr 1e-4, constant: one AdamW step at 1e-3 (or 3e-4) moves every weight by about the learning

@@ -3,9 +3,9 @@
 `plot_metrics` reads the train loop's `metrics.jsonl` (one JSON object per line with `stage`,
 `step` and scalar metrics) and draws one PNG per metric against step, one line per stage.
 
-`credit_view` turns a rollout, its student/teacher log-probs and the outcome advantages into
-what the page shows -- per turn the evidence `s`, the deadbanded `s~` and the modulation weight
-`w` of DESIGN.md §2, computed by `pbsd_jax.credit` -- and `credit_html` writes the page: each
+`credit_view` turns a rollout and its student/teacher log-probs into what the page shows -- per
+turn the evidence `s`, the deadbanded `s~` and the modulation weight `w` of DESIGN.md §2, as
+the algorithm computes them (`turn_credit`) -- and `credit_html` writes the page: each
 action turn coloured by its evidence (blue: the teacher finds the turn likelier, red: less
 likely) and annotated with its weight; prompts and observations in grey. All text is escaped
 (documents may contain `<`).
@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pbsd_jax import credit
+from pbsd_jax import algorithms
+from pbsd_jax.algorithms import AdvantageInputs
 from pbsd_jax.jsonl import iter_jsonl
 from pbsd_jax.rollout import Rollout
 
@@ -134,23 +135,22 @@ def _segments(tokens: np.ndarray, turn_ids: np.ndarray, action: np.ndarray, star
   return tuple((int(labels[a]), tokens[start + a:start + b]) for a, b in bounds)
 
 
-def credit_view(rollout: Rollout, logp: jax.Array, advantages: jax.Array, max_turns: int, *,
-                rows: Sequence[int] | None = None, delta: float = 0.1, clip: float = 0.1,
-                eps_pos: float = 0.001, eps_neg: float = 0.003, reduction: str = "mean",
-                form: str = "tanh") -> list[TrajectoryCredit]:
+def credit_view(rollout: Rollout, logp: jax.Array, algo: algorithms.GRPO, max_turns: int, *,
+                rows: Sequence[int] | None = None, step: int = 0) -> list[TrajectoryCredit]:
   """Per-turn evidence, deadband and weights of a rollout's trajectories, for the page.
 
-  The math is `credit.turn_evidence`, `credit.deadband` and `credit.modulation_weights` on
-  the per-token log-ratio `logp[1] - logp[0]`, with the same settings as training.
+  The numbers are the algorithm's own (`algo.outcome_advantages` and `algo.turn_credit` on the
+  rollout's rewards and `logp`), so the page shows what training computed.
 
   Args:
     rollout: B trajectories.
     logp: `f32[2, B, T]` student (index 0) and teacher (index 1) log-probs, as
       `likelihood.dual_logprobs` returns them.
-    advantages: `f32[B]` group-normalised outcome advantages `A_i`.
+    algo: an algorithm that computes turn evidence (`'logp_teacher'` in `algo.needs`: PBSD,
+      RLSD).
     max_turns: K, the turn slots.
     rows: which trajectories (default all).
-    delta, clip, eps_pos, eps_neg, reduction, form: the PBSD settings (`credit`).
+    step: the train step (the algorithm's schedules).
 
   Returns:
     One `TrajectoryCredit` per row.
@@ -162,10 +162,14 @@ def credit_view(rollout: Rollout, logp: jax.Array, advantages: jax.Array, max_tu
   if int(jnp.max(rollout.turn_ids)) >= max_turns:
     raise ValueError(f"the rollout has turn ids up to {int(jnp.max(rollout.turn_ids))}, beyond "
                      f"max_turns={max_turns}")
-  evidence = credit.turn_evidence(logp[1] - logp[0], rollout.turn_ids, max_turns, reduction)
-  filtered = credit.deadband(evidence, eps_pos, eps_neg)
-  weights = credit.modulation_weights(jnp.asarray(advantages, jnp.float32), filtered, delta,
-                                      clip, form)
+  if "logp_teacher" not in algo.needs:
+    raise ValueError(f"{algo.name} computes no teacher-student evidence to show")
+  inputs = AdvantageInputs(rewards=rollout.reward, action_mask=rollout.action_mask,
+                           turn_ids=rollout.turn_ids, step=jnp.asarray(step), max_turns=max_turns,
+                           logp_student=logp[0], logp_teacher=logp[1])
+  advantages, _ = algo.outcome_advantages(inputs)
+  turns = algo.turn_credit(advantages, inputs)
+  evidence, filtered, weights = turns.evidence, turns.filtered, turns.weights
   host = jax.device_get(dict(tokens=rollout.tokens, turn_ids=rollout.turn_ids,
                              action=rollout.action_mask, length=rollout.length,
                              prompt_length=rollout.prompt_length, reward=rollout.reward,

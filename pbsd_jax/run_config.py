@@ -2,24 +2,38 @@
 
 With `pbsd_jax.train` (the loop), the only library modules that read a `ml_collections`
 ConfigDict (configs/ holds the files); everything they build takes plain values. `validate`
-runs at start-up, before anything compiles, and every error names the offending
-`config.<field>` in one line.
+runs at start-up, before data is read or anything compiles: it builds the objects the run will
+build -- algorithm, model config, environment, samplers, optimisers, update plan, mesh -- so
+their constructors are the one place each rule is written, and turns the first `ValueError`
+into a `ConfigError` naming the offending `config.<field>` in one line. What only the config
+knows (section choices, cross-section sizes) is checked here.
 """
 
 from __future__ import annotations
 
+import contextlib
+import re
 from typing import Any
 
 import jax
 
-from pbsd_jax import algorithms
+from pbsd_jax import algorithms, learner, sharding, train_state
 from pbsd_jax.env import protocol
+from pbsd_jax.env.agent_env import AgentEnv
+from pbsd_jax.env.http import HttpRetriever
 from pbsd_jax.models import ModelConfig
 from pbsd_jax.models.sizes import SIZES
+from pbsd_jax.sampling import Sampler
 
 RETRIEVERS = ("ingraph", "host", "http")
 # GRPO fields whose "off" is None in the algorithm and 0 in the config (command-line typed).
-_ZERO_IS_NONE = ("dual_clip", "norm_len", "overlong_max_len")
+_ZERO_IS_NONE = {"dual_clip": 0.0, "norm_len": 0.0, "overlong_max_len": 0}
+ENV_FIELDS = ("buffer_size", "max_turns", "max_action_tokens", "max_observation_tokens",
+              "max_query_tokens", "top_k")
+# Validation builds the environment before the vocabulary exists: distinct stand-in tag ids.
+_STAND_IN_IDS = dict(search_open=1, search_close=2, answer_open=3, answer_close=4, info_open=5,
+                     info_close=6, eos_id=7, notice=(8,))
+_STAND_IN_VOCAB = 1024
 
 
 class ConfigError(ValueError):
@@ -28,6 +42,22 @@ class ConfigError(ValueError):
 
 def _fail(field: str, value: Any, why: str):
   raise ConfigError(f"config.{field}={value!r}: {why}")
+
+
+def algorithm_sections() -> dict[str, dict]:
+  """The algorithm sections of a config with their defaults (the algorithms' own fields).
+
+  `grpo` holds the hyperparameters every algorithm shares; each other algorithm's section
+  holds its own. None ("off") is written as a 0 of the field's type, so the command line can
+  set it (`algorithm_hparams` reads it back as None).
+  """
+  shared = algorithms.hyperparameters("grpo")
+  sections = {"grpo": {k: _ZERO_IS_NONE[k] if v is None else v for k, v in shared.items()}}
+  for name in algorithms.names():
+    if name != "grpo":
+      sections[name] = {k: v for k, v in algorithms.hyperparameters(name).items()
+                        if k not in shared}
+  return sections
 
 
 def algorithm_hparams(config) -> dict:
@@ -39,20 +69,31 @@ def algorithm_hparams(config) -> dict:
   return hparams
 
 
+@contextlib.contextmanager
+def naming_fields(fields: dict[str, str], default: str):
+  """Turns a constructor's `ValueError` into a `ConfigError` naming the config field.
+
+  The field is the one of `fields` (constructor argument -> `section.field`) that the message
+  names first; `default` when it names none.
+  """
+  try:
+    yield
+  except ValueError as err:
+    message = str(err)
+    found = {m.start(): path for name, path in fields.items()
+             if (m := re.search(rf"\b{re.escape(name)}\b", message))}
+    raise ConfigError(f"config.{found[min(found)] if found else default}: {message}") from None
+
+
 def build_algorithm(config) -> algorithms.GRPO:
   """The configured algorithm (`pbsd_jax.algorithms.get`), errors naming the field."""
   if config.algorithm not in algorithms.names():
     _fail("algorithm", config.algorithm, f"unknown; registered: {list(algorithms.names())}")
-  try:
+  fields = {f: f"grpo.{f}" for f in config.grpo}
+  if config.algorithm != "grpo":
+    fields.update({f: f"{config.algorithm}.{f}" for f in config[config.algorithm]})
+  with naming_fields(fields, config.algorithm):
     return algorithms.get(config.algorithm, **algorithm_hparams(config))
-  except ValueError as err:
-    # The algorithm names its field as `Class.field`; point at the config section instead.
-    message = str(err)
-    for section in (config.algorithm, "grpo"):
-      for field in config[section].keys():
-        if f".{field} " in message or f".{field}=" in message:
-          raise ConfigError(f"config.{section}.{field}: {message}") from None
-    raise ConfigError(f"config.{config.algorithm}: {message}") from None
 
 
 def build_model_config(config, vocab_size: int | None = None) -> ModelConfig:
@@ -77,11 +118,41 @@ def build_model_config(config, vocab_size: int | None = None) -> ModelConfig:
     if vocab_size is None:
       _fail("model.name", name, "this size takes vocab_size from the vocabulary; none given")
     kwargs["vocab_size"] = vocab_size
-  try:
+  fields = {f: f"model.{f}" for f in ("param_dtype", "dtype", "remat")}
+  with naming_fields(fields, "model"):
     return ModelConfig(**kwargs, param_dtype=config.model.param_dtype,
                        dtype=config.model.dtype, remat=config.model.remat)
-  except ValueError as err:
-    raise ConfigError(f"config.model: {err}") from None
+
+
+def build_optimizer(config, stage: str):
+  """The AdamW of `stage` (`'sft'`: the `sft` section's lr, warm-up and steps; `'rl'`:
+  `optim`'s lr and warm-up over `rl.steps`), the rest from `optim`."""
+  o = config.optim
+  lr, warmup, steps, section = ((config.sft.lr, config.sft.warmup_steps, config.sft.steps, "sft")
+                                if stage == "sft" else
+                                (o.lr, o.warmup_steps, config.rl.steps, "optim"))
+  fields = {f: f"optim.{f}" for f in ("weight_decay", "b1", "b2", "grad_clip", "schedule")}
+  fields.update(lr=f"{section}.lr", warmup_steps=f"{section}.warmup_steps",
+                total_steps=f"{stage}.steps")
+  with naming_fields(fields, "optim"):
+    return train_state.make_optimizer(lr, warmup, steps, o.weight_decay, o.b1, o.b2,
+                                      o.grad_clip, o.schedule)
+
+
+def build_plan(config) -> learner.UpdatePlan:
+  """The RL stage's `UpdatePlan` (`rl` section; 0 is "off" for the micro-batch and chunk)."""
+  fields = {f: f"rl.{f}" for f in ("epochs", "minibatches", "micro_batch_size", "chunk_size")}
+  with naming_fields(fields, "rl"):
+    return learner.UpdatePlan(config.rl.epochs, config.rl.minibatches,
+                              config.rl.micro_batch_size or None, config.rl.chunk_size or None)
+
+
+def build_sampler(config, model: ModelConfig, section: str = "rollout") -> Sampler:
+  """The `rollout` (training) or `eval` (top-p evaluation) sampler."""
+  c = config[section]
+  fields = {f: f"{section}.{f}" for f in ("temperature", "top_p", "top_k") if f in c}
+  with naming_fields(fields, section):
+    return Sampler(model, temperature=c.temperature, top_p=c.top_p, top_k=c.get("top_k", 0))
 
 
 def validate(config, num_devices: int | None = None) -> None:
@@ -91,71 +162,46 @@ def validate(config, num_devices: int | None = None) -> None:
     ConfigError: naming the first field that cannot run.
   """
   build_algorithm(config)
-  if config.model.name not in SIZES:
-    _fail("model.name", config.model.name, f"unknown model size; known: {sorted(SIZES)}")
-  for field in ("param_dtype", "dtype"):
-    if config.model[field] not in ("float32", "bfloat16", "float16"):
-      _fail(f"model.{field}", config.model[field], "must be float32, bfloat16 or float16")
+  model = build_model_config(config, _STAND_IN_VOCAB)
   if config.data.prompt_template not in protocol.PROMPT_TEMPLATES:
     _fail("data.prompt_template", config.data.prompt_template,
           f"must be one of {sorted(protocol.PROMPT_TEMPLATES)}")
   if config.env.retriever not in RETRIEVERS:
     _fail("env.retriever", config.env.retriever, f"must be one of {RETRIEVERS}")
-  if config.env.retriever == "http" and not config.env.url:
-    _fail("env.url", config.env.url, "an http retriever needs a url")
-  for field in ("buffer_size", "max_turns", "max_action_tokens", "max_query_tokens", "top_k"):
-    if config.env[field] < 1:
-      _fail(f"env.{field}", config.env[field], "must be >= 1")
-  if config.env.max_observation_tokens < 3:
-    _fail("env.max_observation_tokens", config.env.max_observation_tokens,
-          "must be >= 3 (two tags and a token)")
+  if config.env.retriever == "http":
+    with naming_fields({"url": "env.url", "timeout_s": "env.timeout_s",
+                        "max_retries": "env.max_retries"}, "env"):
+      HttpRetriever(config.env.url, timeout_s=config.env.timeout_s,
+                    max_retries=config.env.max_retries)
+  with naming_fields({f: f"env.{f}" for f in ENV_FIELDS}, "env"):
+    AgentEnv(**{f: config.env[f] for f in ENV_FIELDS}, **_STAND_IN_IDS)
   if config.data.prompt_width >= config.env.buffer_size:
     _fail("data.prompt_width", config.data.prompt_width,
           f"leaves no room for a trajectory in env.buffer_size={config.env.buffer_size}")
   if config.rollout.prompts_per_step < 1:
     _fail("rollout.prompts_per_step", config.rollout.prompts_per_step, "must be >= 1")
-  if config.rollout.temperature < 0:
-    _fail("rollout.temperature", config.rollout.temperature, "must be >= 0")
-  for section in ("rollout", "eval"):
-    if not 0.0 < config[section].top_p <= 1.0:
-      _fail(f"{section}.top_p", config[section].top_p, "must be in (0, 1]")
-  if config.optim.lr <= 0:
-    _fail("optim.lr", config.optim.lr, "must be > 0")
-  if config.optim.warmup_steps < 0:
-    _fail("optim.warmup_steps", config.optim.warmup_steps, "must be >= 0")
-  if config.optim.weight_decay < 0:
-    _fail("optim.weight_decay", config.optim.weight_decay, "must be >= 0")
-  for field in ("steps", "epochs", "minibatches"):
-    if config.rl[field] < (0 if field == "steps" else 1):
-      _fail(f"rl.{field}", config.rl[field], "out of range")
-  for field, low in (("steps", 0), ("batch_size", 1), ("max_examples", 0)):
+  build_sampler(config, model, "rollout")
+  build_sampler(config, model, "eval")
+  for stage in ("sft", "rl"):
+    if config[stage].steps < 0:
+      _fail(f"{stage}.steps", config[stage].steps, "must be >= 0")
+    if config[stage].steps:
+      build_optimizer(config, stage)
+  for field, low in (("batch_size", 1), ("max_examples", 0)):
     if config.sft[field] < low:
       _fail(f"sft.{field}", config.sft[field], f"must be >= {low}")
   if config.sft.max_examples and config.sft.max_examples < config.sft.batch_size:
     _fail("sft.max_examples", config.sft.max_examples,
           f"is smaller than sft.batch_size={config.sft.batch_size}")
-  batch = config.rollout.prompts_per_step * config.grpo.group_size
-  if batch % config.rl.minibatches:
-    _fail("rl.minibatches", config.rl.minibatches,
-          f"does not divide the batch of {batch} trajectories (prompts_per_step x group_size)")
-  mini = batch // config.rl.minibatches
-  if config.rl.micro_batch_size and mini % config.rl.micro_batch_size:
-    _fail("rl.micro_batch_size", config.rl.micro_batch_size,
-          f"does not divide the mini-batch of {mini} trajectories")
-  mesh = [config.mesh.data, config.mesh.fsdp, config.mesh.tensor]
-  if sum(size == -1 for size in mesh) > 1 or any(size == 0 or size < -1 for size in mesh):
-    _fail("mesh", dict(config.mesh), "sizes must be positive, with at most one -1")
   num_devices = jax.device_count() if num_devices is None else num_devices
-  fixed = 1
-  for size in mesh:
-    fixed *= size if size > 0 else 1
-  if num_devices % fixed or (-1 not in mesh and fixed != num_devices):
-    _fail("mesh", dict(config.mesh), f"does not match the {num_devices} available devices")
-  data_shards = (config.mesh.data * (config.mesh.fsdp if config.mesh.fsdp > 0
-                                     else num_devices // fixed))
-  if batch % data_shards:
-    _fail("rollout.prompts_per_step", config.rollout.prompts_per_step,
-          f"the batch of {batch} trajectories does not divide over {data_shards} data shards")
+  with naming_fields({}, "mesh"):
+    mesh = sharding.mesh_shape(config.mesh.data, config.mesh.fsdp, config.mesh.tensor,
+                               num_devices=num_devices)
+  batch = config.rollout.prompts_per_step * config.grpo.group_size
+  rows = "rl.micro_batch_size" if config.rl.micro_batch_size else "rollout.prompts_per_step"
+  with naming_fields({"minibatches": "rl.minibatches", "micro_batch_size": "rl.micro_batch_size",
+                      "data-parallel": rows}, "rl"):
+    build_plan(config).micro_batches(batch, mesh["data"] * mesh["fsdp"])
   if any(k < 1 for k in config.eval.pass_k):
     _fail("eval.pass_k", config.eval.pass_k, "every k must be >= 1")
 

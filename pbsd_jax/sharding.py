@@ -49,18 +49,16 @@ RULES: tuple[tuple[str, Any], ...] = (
 PARAM_MESH_AXES = ("fsdp", "tensor")
 
 
-def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
-              devices: Sequence[Any] | None = None) -> Mesh:
-  """A `('data', 'fsdp', 'tensor')` mesh over `devices` (default: all devices, all processes).
+def mesh_shape(data: int = 1, fsdp: int = -1, tensor: int = 1, *, num_devices: int
+               ) -> dict[str, int]:
+  """The `{'data', 'fsdp', 'tensor'}` sizes of a mesh over `num_devices` devices.
 
-  One size may be -1: it takes whatever the other two leave. The mesh axes are `Auto`
-  (GSPMD), so a jitted function with explicit in/out shardings is partitioned by XLA.
+  One size may be -1: it takes whatever the other two leave.
 
   Raises:
     ValueError: a size < 1 (other than one -1), or a product that differs from the number of
       devices; the message names the fields and the device count.
   """
-  devices = list(jax.devices() if devices is None else devices)
   sizes = {"data": data, "fsdp": fsdp, "tensor": tensor}
   free = [name for name, size in sizes.items() if size == -1]
   for name, size in sizes.items():
@@ -70,13 +68,26 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
     raise ValueError(f"only one mesh size may be -1, got {free}")
   known = math.prod(size for size in sizes.values() if size != -1)
   if free:
-    if len(devices) % known:
+    if num_devices % known:
       raise ValueError(f"mesh {_describe(sizes)}: the fixed sizes (product {known}) do not "
-                       f"divide the {len(devices)} available devices")
-    sizes[free[0]] = len(devices) // known
-  if math.prod(sizes.values()) != len(devices):
+                       f"divide the {num_devices} available devices")
+    sizes[free[0]] = num_devices // known
+  if math.prod(sizes.values()) != num_devices:
     raise ValueError(f"mesh {_describe(sizes)} has {math.prod(sizes.values())} devices but "
-                     f"{len(devices)} are available")
+                     f"{num_devices} are available")
+  return sizes
+
+
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
+              devices: Sequence[Any] | None = None) -> Mesh:
+  """A `('data', 'fsdp', 'tensor')` mesh over `devices` (default: all devices, all processes).
+
+  Sizes as `mesh_shape` (which raises for sizes that do not fit the devices). The mesh axes
+  are `Auto` (GSPMD), so a jitted function with explicit in/out shardings is partitioned by
+  XLA.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  sizes = mesh_shape(data, fsdp, tensor, num_devices=len(devices))
   shape = tuple(sizes[name] for name in MESH_AXES)
   return jax.make_mesh(shape, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES),
                        devices=devices)

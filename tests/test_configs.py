@@ -9,6 +9,7 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
+from pbsd_jax import algorithms
 from pbsd_jax import run_config as train
 from pbsd_jax.models import ModelConfig
 from pbsd_jax.models.sizes import SIZES
@@ -42,7 +43,7 @@ def test_pbsd_config_holds_the_papers_hyperparameters():
   algo = train.build_algorithm(config)
   assert (algo.delta, algo.clip, algo.eps_pos, algo.eps_neg) == (0.1, 0.1, 0.001, 0.003)
   assert (algo.eps_low, algo.eps_high, algo.group_size) == (0.2, 0.28, 8)
-  assert algo.reduction == "mean" and algo.form == "tanh" and not algo.replay_routing
+  assert algo.reduction == "mean" and algo.form == "tanh"
   assert algo.dual_clip is None and algo.overlong_max_len is None
   assert config.rollout.prompts_per_step == 32 and config.rollout.temperature == 1.0
   assert (config.optim.lr, config.optim.warmup_steps, config.optim.weight_decay) == (
@@ -78,10 +79,50 @@ def test_command_line_overrides_reach_the_algorithm():
     ("--config.rollout.top_p=0.0", "config.rollout.top_p"),
     ("--config.data.prompt_width=4096", "config.data.prompt_width"),
     ("--config.sft.batch_size=0", "config.sft.batch_size"),
+    # Rules that live in the constructors (environment, samplers, optimisers, plan, model).
+    ("--config.env.top_k=0", "config.env.top_k"),
+    ("--config.env.max_observation_tokens=2", "config.env.max_observation_tokens"),
+    ("--config.rollout.top_k=-3", "config.rollout.top_k"),
+    ("--config.rollout.temperature=-1.0", "config.rollout.temperature"),
+    ("--config.eval.top_p=1.5", "config.eval.top_p"),
+    ("--config.optim.lr=0.0", "config.optim.lr"),
+    ("--config.optim.b2=1.0", "config.optim.b2"),
+    ("--config.optim.schedule=linear", "config.optim.schedule"),
+    ("--config.rl.epochs=0", "config.rl.epochs"),
+    ("--config.rl.chunk_size=-1", "config.rl.chunk_size"),
+    ("--config.model.dtype=float8", "config.model.dtype"),
 ])
 def test_bad_values_fail_at_start_up_naming_the_field(override, field):
   with pytest.raises(train.ConfigError, match=field.replace(".", r"\.")):
     train.validate(load("pbsd", override), num_devices=8)
+
+
+def test_sft_optimizer_errors_name_the_sft_section():
+  with pytest.raises(train.ConfigError, match=r"config\.sft\.lr"):
+    train.validate(load("demo", "--config.sft.lr=-1.0"), num_devices=1)
+  with pytest.raises(train.ConfigError, match=r"config\.optim\.schedule.*total_steps=10"):
+    train.validate(load("demo", "--config.optim.schedule=cosine", "--config.sft.steps=10"),
+                   num_devices=1)
+
+
+@pytest.mark.parametrize("override, field", [("--config.env.timeout_s=0.0", "env.timeout_s"),
+                                             ("--config.env.max_retries=-1", "env.max_retries")])
+def test_http_retriever_settings_fail_at_start_up(override, field):
+  config = load("pbsd", "--config.env.retriever=http", "--config.env.url=http://localhost:1/x",
+                override)
+  with pytest.raises(train.ConfigError, match=field.replace(".", r"\.")):
+    train.validate(config, num_devices=1)
+
+
+def test_algorithm_sections_hold_the_algorithms_defaults():
+  """The config's defaults are the algorithms' own, written once (None as a typed 0)."""
+  config = load("grpo")
+  for name in ("pbsd", "rlsd", "gear", "opsd"):
+    algo = algorithms.get(name)
+    for field, value in config[name].items():
+      assert getattr(algo, field) == value, (name, field)
+  assert config.grpo.dual_clip == 0.0 and algorithms.get("grpo").dual_clip is None
+  assert config.grpo.group_size == algorithms.get("grpo").group_size == 8
 
 
 def test_batch_must_divide_over_the_data_shards():

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pbsd_jax import report
+from pbsd_jax import algorithms, report
 from pbsd_jax.rollout import Rollout
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -91,7 +91,8 @@ def test_credit_view_gives_hand_computed_evidence_deadband_and_weights():
   teacher[0, 6:8] = [-0.002, -0.002]   # turn 1: s = -0.002, inside the deadband (eps- = 0.003)
   teacher[1, 2:5] = [-0.05] * 3        # row 1, turn 0: s = -0.05
   logp = jnp.stack([jnp.zeros((2, 9)), jnp.asarray(teacher)])
-  view = report.credit_view(rollout, logp, jnp.asarray([1.0, -0.5]), max_turns=3)
+  # Rewards [1, 0], one group: A = +-0.5 / (std 0.7071 + 1e-6).
+  view = report.credit_view(rollout, logp, algorithms.get("pbsd", group_size=2), max_turns=3)
   np.testing.assert_allclose(view[0].evidence, [0.3, -0.002, 0.0], atol=1e-6)
   np.testing.assert_allclose(view[0].filtered, [0.3, 0.0, 0.0], atol=1e-6)
   np.testing.assert_allclose(view[0].weights, [1 + 0.1 * math.tanh(3.0), 1.0, 1.0], atol=1e-6)
@@ -101,26 +102,48 @@ def test_credit_view_gives_hand_computed_evidence_deadband_and_weights():
       (0, [10, 11]), (-1, [20, 21]), (1, [12, 13])]
   np.testing.assert_array_equal(view[0].prompt, [5, 6])
   np.testing.assert_array_equal(view[1].prompt, [7])
-  assert (view[0].reward, view[1].advantage) == (1.0, -0.5)
+  assert view[0].reward == 1.0
+  np.testing.assert_allclose(view[1].advantage, -0.5 / (math.sqrt(0.5) + 1e-6), rtol=1e-6)
+
+
+def test_credit_view_shows_the_algorithms_own_settings():
+  """The page is drawn with the algorithm object, so a delta of 1.0 changes the weights."""
+  rollout = _rollout([([5], [(0, [10, 11])]), ([7], [(0, [14])])], prompt_width=1, width=4)
+  teacher = np.zeros((2, 4), np.float32)
+  teacher[0, 1:3] = 0.3
+  logp = jnp.stack([jnp.zeros((2, 4)), jnp.asarray(teacher)])
+  view = report.credit_view(rollout, logp, algorithms.get("pbsd", group_size=2, delta=1.0),
+                            max_turns=1)
+  np.testing.assert_allclose(view[0].weights, [1 + 0.1 * math.tanh(0.3)], atol=1e-6)
+
+
+def test_credit_view_needs_an_algorithm_with_evidence():
+  rollout = _rollout([([5], [(0, [10])]), ([7], [(0, [14])])], prompt_width=1, width=3)
+  with pytest.raises(ValueError, match="grpo computes no teacher-student evidence"):
+    report.credit_view(rollout, jnp.zeros((2, 2, 3)), algorithms.get("grpo", group_size=2),
+                       max_turns=1)
 
 
 def test_credit_view_rejects_turns_beyond_max_turns():
   rollout = _rollout([([5], [(0, [10]), (-1, [20]), (1, [12])])], prompt_width=1, width=4)
   with pytest.raises(ValueError, match="turn ids up to 1, beyond max_turns=1"):
-    report.credit_view(rollout, jnp.zeros((2, 1, 4)), jnp.ones(1), max_turns=1)
+    report.credit_view(rollout, jnp.zeros((2, 1, 4)), algorithms.get("pbsd", group_size=1,
+                                                                     normalize_std=False),
+                       max_turns=1)
 
 
 def test_credit_html_shows_each_turn_weight_and_escapes_document_text(kg, tmp_path):
   encode = kg.encode
   document = "<information> Doc (Foo): a <answer> Zed </answer> inside a page </information>"
-  rollout = _rollout([(encode("Question: who is Foo?"),
-                       [(0, encode("<search> Foo </search>")), (-1, encode(document)),
-                        (1, encode("<answer> Bar </answer>"))])],
-                     prompt_width=16, width=60)
-  logp = np.zeros((2, 1, 60), np.float32)
-  logp[1, 0, np.asarray(rollout.turn_ids[0]) == 0] = 0.05
-  logp[1, 0, np.asarray(rollout.turn_ids[0]) == 1] = -0.2
-  view = report.credit_view(rollout, jnp.asarray(logp), jnp.asarray([0.7]), max_turns=4)
+  row = (encode("Question: who is Foo?"),
+         [(0, encode("<search> Foo </search>")), (-1, encode(document)),
+          (1, encode("<answer> Bar </answer>"))])
+  rollout = _rollout([row, row], prompt_width=16, width=60)  # rewards 1, 0: A_0 > 0
+  logp = np.zeros((2, 2, 60), np.float32)
+  logp[1, :, np.asarray(rollout.turn_ids[0]) == 0] = 0.05
+  logp[1, :, np.asarray(rollout.turn_ids[0]) == 1] = -0.2
+  view = report.credit_view(rollout, jnp.asarray(logp), algorithms.get("pbsd", group_size=2),
+                            max_turns=4)
   path = report.credit_html(view, kg.decode, str(tmp_path / "report" / "credit.html"))
   page = open(path, encoding="utf-8").read()
   for k in range(2):
