@@ -21,8 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import ours_common
+from pbsd_jax.env.agent_env import AgentEnv
 from pbsd_jax.env.bm25 import BM25Index
-from pbsd_jax.rollout import AgentEnv, ingraph_rollout
+from pbsd_jax.rollout import ingraph_rollout
 from pbsd_jax.sampling import Sampler
 
 # Synthetic protocol ids below the prompts' range [10, V): tags, EOS, the notice.

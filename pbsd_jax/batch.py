@@ -1,7 +1,9 @@
 """Host-side builders of rollout inputs from question records (numpy, tokenizer-agnostic).
 
 A record is a Search-R1 style dict with `question` and `golden_answers` (and, for oracle
-trajectories, `actions`). Everything returned is a numpy array ready to be put on device.
+trajectories, `actions`). Everything returned is numpy, ready to be put on device.
+`prompt_region` is the one builder of the prompt region, the student's and, given verified
+answers, the teacher's.
 """
 
 from __future__ import annotations
@@ -10,18 +12,48 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from pbsd_jax import privileged
 from pbsd_jax.env import protocol
-from pbsd_jax.privileged import left_pad
 
 Encode = Callable[[str], list[int]]
 
 
-def prompt_batch(questions: Sequence[str], encode: Encode, width: int,
-                 template: str = protocol.DEFAULT_PROMPT_TEMPLATE
-                 ) -> tuple[np.ndarray, np.ndarray]:
-  """Student prompts `i32[B, width]` left-padded with 0, and their `bool[B, width]` mask."""
-  return left_pad([encode(protocol.format_prompt(q, template)) for q in questions], width,
-                  pad_id=0)
+def prompt_region(questions: Sequence[str], encode: Encode, width: int,
+                  template: str = protocol.DEFAULT_PROMPT_TEMPLATE, *,
+                  answers: Sequence[str] | None = None,
+                  privileged_template: str = privileged.DEFAULT_PRIVILEGED_TEMPLATE
+                  ) -> dict[str, np.ndarray]:
+  """The prompt region of B questions (DESIGN.md §3), left-padded with 0 to `width` = P.
+
+  Args:
+    questions: B question texts, rendered with `protocol.format_prompt(q, template)`.
+    encode: the tokenizer, text -> ids.
+    width: P, the prompt region width.
+    template: the student prompt template.
+    answers: B verified answers: also build the teacher's privileged prompts
+      (`privileged.dual_prompts`), which must fit the same width.
+    privileged_template: the privileged block of the teacher prompt.
+
+  Returns:
+    `{"prompts": i32[B, P], "prompt_mask": bool[B, P]}`, plus `"teacher_prompt"` and
+    `"teacher_prompt_mask"` (the same shapes) with `answers`.
+
+  Raises:
+    ValueError: `"record {i}: its prompt is {n} tokens, more than prompt_width={P}"` for the
+      first student prompt that does not fit; a teacher prompt that does not fit is named too.
+  """
+  student = [encode(protocol.format_prompt(q, template)) for q in questions]
+  for i, ids in enumerate(student):
+    if len(ids) > width:
+      raise ValueError(f"record {i}: its prompt is {len(ids)} tokens, more than "
+                       f"prompt_width={width}")
+  if answers is None:
+    tokens, mask = privileged.left_pad(student, width, pad_id=0)
+    return {"prompts": tokens, "prompt_mask": mask}
+  tokens, mask, teacher, teacher_mask = privileged.dual_prompts(
+      student, answers, encode, width, pad_id=0, template=privileged_template)
+  return {"prompts": tokens, "prompt_mask": mask, "teacher_prompt": teacher,
+          "teacher_prompt_mask": teacher_mask}
 
 
 def gold_batch(golden_answers: Sequence[Sequence[str]], encode: Encode,

@@ -20,12 +20,12 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import jax
 import numpy as np
 
-from pbsd_jax.batch import gold_batch
+from pbsd_jax.batch import gold_batch, prompt_region
 from pbsd_jax.env import protocol
+from pbsd_jax.env.agent_env import AgentEnv
 from pbsd_jax.env.bm25 import BM25Index
 from pbsd_jax.models import ModelConfig
-from pbsd_jax.privileged import left_pad
-from pbsd_jax.rollout import AgentEnv, ingraph_rollout
+from pbsd_jax.rollout import ingraph_rollout
 from pbsd_jax.sampling import Sampler
 
 DEFAULT_PASS_K = (1, 2, 4, 8, 16)
@@ -165,7 +165,7 @@ def evaluate(sampler: Sampler, env: AgentEnv, params: Any, records: Sequence[Map
 
   Args:
     sampler: decoding settings (temperature 0 is greedy).
-    env: the environment settings.
+    env: the environment settings (its `eos_id` ends an episode).
     params: policy parameters.
     records: Q question records (`question`, `golden_answers`, optional `tier`).
     encode: the tokenizer, text -> ids.
@@ -188,12 +188,9 @@ def evaluate(sampler: Sampler, env: AgentEnv, params: Any, records: Sequence[Map
     raise ValueError(f"samples_per_question must be >= 1, got {samples_per_question}")
   if not records:
     raise ValueError("no records to evaluate")
-  prompt_ids = [encode(protocol.format_prompt(r["question"], template)) for r in records]
-  for q, ids in enumerate(prompt_ids):
-    if len(ids) > prompt_width:
-      raise ValueError(f"record {q}: its prompt is {len(ids)} tokens, more than "
-                       f"prompt_width={prompt_width}")
-  # Encoded once for all records, so every batch has the same number of gold variants.
+  # Encoded once for all records (so every batch has the same number of gold variants);
+  # each batch takes its rows.
+  region = prompt_region([r["question"] for r in records], encode, prompt_width, template)
   gold = gold_batch([r["golden_answers"] for r in records], encode, gold_width)
   rows = np.repeat(np.arange(len(records)), samples_per_question)
   num_batches = -(-len(rows) // batch_size)
@@ -201,9 +198,9 @@ def evaluate(sampler: Sampler, env: AgentEnv, params: Any, records: Sequence[Map
   for i in progress(range(num_batches), desc="eval", total=num_batches):
     chunk = rows[i * batch_size:(i + 1) * batch_size]
     padded = np.resize(chunk, batch_size)  # repeats the chunk's own rows: one shape
-    prompts, prompt_mask = left_pad([prompt_ids[r] for r in padded], prompt_width, pad_id=0)
-    out = ingraph_rollout(sampler, env, params, prompts, prompt_mask, jax.random.fold_in(rng, i),
-                          index, gold[padded])
+    out = ingraph_rollout(sampler, env, params, region["prompts"][padded],
+                          region["prompt_mask"][padded], jax.random.fold_in(rng, i), index,
+                          gold[padded])
     stats = {"reward": out.reward, "num_turns": out.num_turns,
              "num_action_tokens": out.num_action_tokens, "finished": out.finished,
              "truncated": out.truncated}
@@ -214,8 +211,8 @@ def evaluate(sampler: Sampler, env: AgentEnv, params: Any, records: Sequence[Map
 
 
 def evaluate_policy(model: ModelConfig, env: AgentEnv, params: Any, records: Sequence[Mapping],
-                    encode: Callable[[str], list[int]], index: BM25Index, *, eos_id: int | None,
-                    batch_size: int, rng: jax.Array, prompt_width: int, gold_width: int,
+                    encode: Callable[[str], list[int]], index: BM25Index, *, batch_size: int,
+                    rng: jax.Array, prompt_width: int, gold_width: int,
                     samples_per_question: int = 1, temperature: float = 1.0,
                     top_p: float = 0.95, top_k: int = 0,
                     pass_k: Sequence[int] = DEFAULT_PASS_K,
@@ -231,8 +228,8 @@ def evaluate_policy(model: ModelConfig, env: AgentEnv, params: Any, records: Seq
   greedy_rng, sample_rng = jax.random.split(rng)
   shared = dict(batch_size=batch_size, prompt_width=prompt_width, gold_width=gold_width,
                 pass_k=pass_k, template=template, progress=progress)
-  greedy = Sampler(model, temperature=0.0, eos_id=eos_id)
-  nucleus = Sampler(model, temperature=temperature, top_p=top_p, top_k=top_k, eos_id=eos_id)
+  greedy = Sampler(model, temperature=0.0)
+  nucleus = Sampler(model, temperature=temperature, top_p=top_p, top_k=top_k)
   return {
       "greedy": evaluate(greedy, env, params, records, encode, index, rng=greedy_rng,
                          samples_per_question=1, **shared),

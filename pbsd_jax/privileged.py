@@ -8,6 +8,7 @@ teacher sequence reuses the trajectory columns of the rollout unchanged, so
 `[student, teacher]` stack as `[2, B, T]` with every trajectory token in the same column.
 
 Everything here is tokenizer-agnostic: text goes through an `encode: str -> list[int]`.
+`batch.prompt_region` builds both regions from question texts with these functions.
 """
 
 from __future__ import annotations

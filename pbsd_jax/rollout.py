@@ -7,21 +7,21 @@ column P by a per-row cursor (actions and observations alternating), then right 
 turn and EOS); `turn_ids` is k on the action tokens of turn k and -1 elsewhere.
 
 One turn: decode until `</search>`, `</answer>`, EOS or the per-turn budget; classify the action
-from its tokens (`classify_turn`); a search retrieves top-k documents whose tokens are appended
-as one `<information>...</information>` observation in a single batched prefill; an answer or
-EOS ends the episode; anything else gets a short notice. After `max_turns`, or when the
-buffer is full, the episode ends as truncated.
+from its tokens; a search retrieves top-k documents whose tokens are appended as one
+`<information>...</information>` observation in a single batched prefill; an answer or EOS
+ends the episode; anything else gets a short notice. After `max_turns`, or when the buffer is
+full, the episode ends as truncated. The rules on tokens (`AgentEnv`, `classify_turn`,
+`assemble_observation`) are the environment's, in `pbsd_jax.env.agent_env`; this module
+drives the sampler through them.
 
 Two compositions of the same jitted pieces (`_act`, `_observe`):
   * `ingraph_rollout`: the retriever is a device-resident `BM25Index`, so the whole episode,
     turn loop included, is one XLA program;
   * `host_rollout`: a Python turn loop that calls any `Retriever` between the jitted pieces.
-Both need the protocol tags to be single tokens (true for our SentencePiece vocabulary).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Callable, Sequence
 
@@ -31,15 +31,14 @@ import numpy as np
 from flax import struct
 
 from pbsd_jax import rewards
-from pbsd_jax.env import observations, protocol
+from pbsd_jax.env import observations
+from pbsd_jax.env.agent_env import (KIND_ANSWER, KIND_EOS, KIND_SEARCH, AgentEnv,
+                                    assemble_observation, classify_turn)
 from pbsd_jax.env.bm25 import BM25Index
 from pbsd_jax.env.retriever import Document, RetrievalError
 from pbsd_jax.sampling import DecodeState, Sampler, STOP_BUFFER_FULL
 
 Array = jax.Array
-
-# What a turn's action was (`classify_turn`).
-KIND_INVALID, KIND_SEARCH, KIND_ANSWER, KIND_EOS = 0, 1, 2, 3
 
 
 @struct.dataclass
@@ -95,75 +94,6 @@ class Rollout:
     return jnp.sum(self.action_mask, axis=1)
 
 
-@dataclasses.dataclass(frozen=True)
-class AgentEnv:
-  """Static settings of the search environment (hashable: a static jit argument).
-
-  Attributes:
-    buffer_size: T, the whole context (prompt region + trajectory).
-    max_turns: turns before an episode ends as truncated.
-    max_action_tokens: per-turn generation budget.
-    max_observation_tokens: an observation's budget, its two tags included.
-    max_query_tokens: longer queries are invalid actions.
-    top_k: documents per search.
-    search_open, search_close, answer_open, answer_close, info_open, info_close: tag ids.
-    eos_id: end of sequence.
-    notice: token ids of the invalid-action notice.
-    ignore_ids: ids dropped when comparing answers (whitespace-only pieces).
-  """
-
-  buffer_size: int
-  max_turns: int
-  max_action_tokens: int
-  max_observation_tokens: int
-  max_query_tokens: int
-  top_k: int
-  search_open: int
-  search_close: int
-  answer_open: int
-  answer_close: int
-  info_open: int
-  info_close: int
-  eos_id: int
-  notice: tuple[int, ...]
-  ignore_ids: tuple[int, ...] = ()
-
-  def __post_init__(self):
-    for name in ("buffer_size", "max_turns", "max_action_tokens", "max_query_tokens", "top_k"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"AgentEnv.{name} must be >= 1, got {getattr(self, name)}")
-    if self.max_observation_tokens < 3:
-      raise ValueError("AgentEnv.max_observation_tokens must be >= 3 (two tags and a token), "
-                       f"got {self.max_observation_tokens}")
-    if not self.notice:
-      raise ValueError("AgentEnv.notice must not be empty")
-
-  @classmethod
-  def from_vocab(cls, vocab: Any, **settings) -> "AgentEnv":
-    """Reads the tag ids from a vocabulary with `encode`/`eos_id`; tags must be single tokens."""
-    ids = {}
-    for name, tag in [("search_open", protocol.SEARCH_OPEN), ("search_close", protocol.SEARCH_CLOSE),
-                      ("answer_open", protocol.ANSWER_OPEN), ("answer_close", protocol.ANSWER_CLOSE),
-                      ("info_open", protocol.INFO_OPEN), ("info_close", protocol.INFO_CLOSE)]:
-      encoded = [t for t in vocab.encode(tag) if t not in settings.get("ignore_ids", ())]
-      if len(encoded) != 1:
-        raise ValueError(f"tag {tag!r} is {len(encoded)} tokens {encoded} in this vocabulary; "
-                         "the rollout needs single-token tags")
-      ids[name] = encoded[0]
-    notice = tuple(vocab.encode(observations.INVALID_ACTION_NOTICE))
-    return cls(eos_id=vocab.eos_id, notice=notice, **ids, **settings)
-
-  @property
-  def tag_ids(self) -> tuple[int, ...]:
-    return (self.search_open, self.search_close, self.answer_open, self.answer_close,
-            self.info_open, self.info_close)
-
-  @property
-  def stop_sequences(self) -> Array:
-    """`i32[2, 1]`: a turn ends after `</search>` or `</answer>`."""
-    return jnp.array([[self.search_close], [self.answer_close]], jnp.int32)
-
-
 @struct.dataclass
 class Episode:
   """The turn loop's state.
@@ -189,75 +119,6 @@ class Episode:
     return self.finished | self.truncated
 
 
-def classify_turn(tokens: Array, start: Array, end: Array, env: AgentEnv
-                  ) -> tuple[Array, Array]:
-  """Decides each row's action from the tokens of its turn, `tokens[b, start[b]:end[b]]`.
-
-  The turn's last token decides, as `env.actions.parse_action` does on text: `</search>` with
-  a `<search>` before it is a search whose query is the tokens after the last `<search>`
-  (invalid if empty, longer than `max_query_tokens`, or holding a tag); `</answer>` with an
-  `<answer>` before it is an answer; EOS ends the episode; anything else is invalid.
-
-  Args:
-    tokens: `i32[B, T]` the buffer.
-    start: `i32[B]` first column of the turn's action.
-    end: `i32[B]` one past its last column.
-    env: the environment settings.
-
-  Returns:
-    `(kind i32[B], query i32[B, max_query_tokens])`, the query -1 padded.
-  """
-  b, t = tokens.shape
-  cols = jnp.arange(t)[None, :]
-  in_turn = (cols >= start[:, None]) & (cols < end[:, None])
-  last = jnp.take_along_axis(tokens, jnp.maximum(end - 1, 0)[:, None], 1)[:, 0]
-  last = jnp.where(end > start, last, -1)
-  before_last = in_turn & (cols < end[:, None] - 1)
-
-  def last_index(tag):
-    return jnp.max(jnp.where(before_last & (tokens == tag), cols, -1), axis=1)
-
-  open_search, open_answer = last_index(env.search_open), last_index(env.answer_open)
-  q_len = end - 1 - (open_search + 1)
-  q_cols = open_search[:, None] + 1 + jnp.arange(env.max_query_tokens)[None, :]
-  q_valid = jnp.arange(env.max_query_tokens)[None, :] < q_len[:, None]
-  query = jnp.where(q_valid, jnp.take_along_axis(tokens, jnp.clip(q_cols, 0, t - 1), 1), -1)
-  has_tag = jnp.any(jnp.isin(query, jnp.array(env.tag_ids)), axis=1)
-  good_search = ((last == env.search_close) & (open_search >= 0) & (q_len >= 1)
-                 & (q_len <= env.max_query_tokens) & ~has_tag)
-  kind = jnp.select([good_search, (last == env.answer_close) & (open_answer >= 0),
-                     last == env.eos_id], [KIND_SEARCH, KIND_ANSWER, KIND_EOS], KIND_INVALID)
-  return kind.astype(jnp.int32), query.astype(jnp.int32)
-
-
-def assemble_observation(doc_tokens: Array, doc_lengths: Array, budget: Array,
-                         info_open: int, info_close: int) -> tuple[Array, Array]:
-  """`<information>` + the documents' tokens, concatenated + `</information>`, per row.
-
-  Args:
-    doc_tokens: `i32[B, k, L]` each retrieved document's tokens, best first.
-    doc_lengths: `i32[B, k]` real tokens in each.
-    budget: `i32[B]` most tokens the observation may take, tags included; the documents are
-      truncated so the closing tag always fits (a budget below 3 gives an empty observation).
-
-  Returns:
-    `(obs i32[B, W], length i32[B])` with W = 2 + k * L.
-  """
-  b, k, l = doc_tokens.shape
-  width = 2 + k * l
-  ends = jnp.cumsum(doc_lengths, axis=1)  # [B, k]
-  body_len = jnp.minimum(ends[:, -1], budget - 2)
-  j = jnp.arange(width)[None, :] - 1  # body position of each output column
-  doc = jnp.sum(j[:, :, None] >= ends[:, None, :], axis=-1)  # [B, W]
-  doc = jnp.minimum(doc, k - 1)
-  offset = j - (jnp.take_along_axis(ends, doc, 1) - jnp.take_along_axis(doc_lengths, doc, 1))
-  body = doc_tokens[jnp.arange(b)[:, None], doc, jnp.clip(offset, 0, l - 1)]
-  obs = jnp.select([j == -1, j < body_len[:, None], j == body_len[:, None]],
-                   [info_open, body, info_close], 0)
-  length = jnp.where(budget >= 3, body_len + 2, 0)
-  return obs.astype(jnp.int32), length.astype(jnp.int32)
-
-
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _start(sampler: Sampler, env: AgentEnv, params, prompts: Array, prompt_mask: Array
            ) -> Episode:
@@ -281,7 +142,7 @@ def _act(sampler: Sampler, env: AgentEnv, params, ep: Episode, rng: Array, turn:
   if forced is None:
     budget = jnp.minimum(env.max_action_tokens, room)
     state, result = sampler.decode(params, state, rng, budget, env.stop_sequences, live,
-                                   max_steps=env.max_action_tokens)
+                                   max_steps=env.max_action_tokens, eos_id=env.eos_id)
     out_of_room = result.stop_reason == STOP_BUFFER_FULL
   else:
     lengths = jnp.where(live, jnp.minimum(forced_length, room), 0)

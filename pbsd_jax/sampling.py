@@ -70,6 +70,31 @@ class DecodeResult:
   stop_index: Array
 
 
+@struct.dataclass
+class DecodeCarry:
+  """The carry of `Sampler.decode`'s `lax.while_loop`: one step samples one token per live row.
+
+  Attributes:
+    state: the `DecodeState` being extended.
+    result: the `DecodeResult` so far; a row stops once its `stop_reason` leaves RUNNING.
+    recent: `i32[B, L]` each row's last L tokens sampled in this call, L the longest stop
+      sequence; -2 where nothing was sampled yet, so a stop never matches across calls.
+    active: `bool[B]` rows that sample in this call (the same on every step).
+    step: `i32[]` steps taken; step s draws with `fold_in(rng, s)`.
+  """
+
+  state: DecodeState
+  result: DecodeResult
+  recent: Array
+  active: Array
+  step: Array
+
+  @property
+  def live(self) -> Array:
+    """`bool[B]` rows that sample at this step: active and not stopped."""
+    return self.active & (self.result.stop_reason == RUNNING)
+
+
 def stop_sequence_array(stops: list[list[int]], batch: int | None = None) -> Array:
   """Right-aligns stop sequences into `i32[n, L]` (or `[B, n, L]`), -1 padded on the left.
 
@@ -145,14 +170,15 @@ class Sampler:
     temperature: softmax temperature (0 = greedy).
     top_k: keep the k most likely tokens (0 = off).
     top_p: nucleus mass (1.0 = off).
-    eos_id: end-of-sequence token id, or None.
+
+  The end-of-sequence id is not a sampling setting: it belongs to the vocabulary and the
+  environment (`AgentEnv.eos_id`), and reaches `decode` / `generate` as their `eos_id`.
   """
 
   model: ModelConfig
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
-  eos_id: int | None = None
 
   def __post_init__(self):
     if self.temperature < 0:
@@ -160,7 +186,8 @@ class Sampler:
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"Sampler.top_p must be in (0, 1], got {self.top_p}")
     if self.top_k < 0 or self.top_k > self.model.vocab_size:
-      raise ValueError(f"Sampler.top_k must be in [0, vocab_size], got {self.top_k}")
+      raise ValueError(f"Sampler.top_k must be in [0, vocab_size={self.model.vocab_size}], "
+                       f"got {self.top_k}")
 
   def _forward(self, params, tokens, mask, cache, write_index, compute_logits=True):
     return Transformer(self.model).apply({"params": params}, tokens, mask, cache=cache,
@@ -214,10 +241,10 @@ class Sampler:
                          cursor=state.cursor + lengths,
                          logits=jnp.where((lengths > 0)[:, None], last, state.logits))
 
-  @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("max_steps",))
+  @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("max_steps", "eos_id"))
   def decode(self, params, state: DecodeState, rng: Array, budget: Array,
              stop_sequences: Array | None = None, active: Array | None = None, *,
-             max_steps: int) -> tuple[DecodeState, DecodeResult]:
+             max_steps: int, eos_id: int | None = None) -> tuple[DecodeState, DecodeResult]:
     """Samples until every active row stops (or `max_steps` steps), one token per step.
 
     Args:
@@ -229,6 +256,7 @@ class Sampler:
         row stops right after the last token of a matching stop.
       active: `bool[B]` rows that sample (default all).
       max_steps: static bound on the loop (a budget larger than it is cut to it).
+      eos_id: a row stops right after sampling this id (None: no end-of-sequence stop).
 
     Returns:
       The new state and a `DecodeResult`.
@@ -239,22 +267,21 @@ class Sampler:
       stop_sequences = jnp.full((b, 1, 1), -1, jnp.int32)  # all-wildcard: no stop
     elif stop_sequences.ndim == 2:
       stop_sequences = jnp.broadcast_to(stop_sequences, (b, *stop_sequences.shape))
-    width = stop_sequences.shape[-1]
-    # -2 marks "nothing sampled yet", so a stop never matches across the call boundary.
-    recent = jnp.full((b, width), -2, jnp.int32)
-    result = DecodeResult(num_new=jnp.zeros((b,), jnp.int32),
-                          stop_reason=jnp.where(active & (budget <= 0), STOP_BUDGET, RUNNING),
-                          stop_index=jnp.full((b,), -1, jnp.int32))
+    start = DecodeCarry(
+        state=state,
+        result=DecodeResult(num_new=jnp.zeros((b,), jnp.int32),
+                            stop_reason=jnp.where(active & (budget <= 0), STOP_BUDGET, RUNNING),
+                            stop_index=jnp.full((b,), -1, jnp.int32)),
+        recent=jnp.full((b, stop_sequences.shape[-1]), -2, jnp.int32), active=active,
+        step=jnp.int32(0))
 
-    def running(carry):
-      _, res, _, step = carry
-      return (step < max_steps) & jnp.any(active & (res.stop_reason == RUNNING))
+    def running(carry: DecodeCarry) -> Array:
+      return (carry.step < max_steps) & jnp.any(carry.live)
 
-    def body(carry):
-      st, res, recent, step = carry
-      live = active & (res.stop_reason == RUNNING)
-      token, logp = sample_token(jax.random.fold_in(rng, step), st.logits, self.temperature,
-                                 self.top_k, self.top_p)
+    def body(carry: DecodeCarry) -> DecodeCarry:
+      st, res, live = carry.state, carry.result, carry.live
+      token, logp = sample_token(jax.random.fold_in(rng, carry.step), st.logits,
+                                 self.temperature, self.top_k, self.top_p)
       out = self._forward(params, token[:, None], live[:, None], st.cache, st.cursor)
       rows = jnp.arange(b)
       slot = jnp.where(live, st.cursor, st.buffer_size)  # out of range: dropped
@@ -264,12 +291,12 @@ class Sampler:
           sample_logp=st.sample_logp.at[rows, slot].set(logp, mode="drop"),
           cache=out.cache, cursor=st.cursor + live,
           logits=jnp.where(live[:, None], out.logits[:, 0], st.logits))
-      recent = jnp.where(live[:, None], jnp.concatenate([recent[:, 1:], token[:, None]], 1),
-                         recent)
+      recent = jnp.where(live[:, None],
+                         jnp.concatenate([carry.recent[:, 1:], token[:, None]], 1), carry.recent)
       matches = jnp.all((stop_sequences == -1) | (stop_sequences == recent[:, None, :]), -1)
       matches &= jnp.any(stop_sequences != -1, axis=-1)
       num_new = res.num_new + live
-      is_eos = (token == self.eos_id) if self.eos_id is not None else jnp.zeros((b,), bool)
+      is_eos = (token == eos_id) if eos_id is not None else jnp.zeros((b,), bool)
       reason = jnp.select(
           [is_eos, jnp.any(matches, -1), num_new >= budget, st.cursor >= st.buffer_size],
           [STOP_EOS, STOP_SEQUENCE, STOP_BUDGET, STOP_BUFFER_FULL], RUNNING)
@@ -278,19 +305,19 @@ class Sampler:
           stop_reason=jnp.where(live, reason, res.stop_reason),
           stop_index=jnp.where(live & jnp.any(matches, -1), jnp.argmax(matches, -1),
                                res.stop_index))
-      return st, res, recent, step + 1
+      return carry.replace(state=st, result=res, recent=recent, step=carry.step + 1)
 
-    state, result, _, _ = jax.lax.while_loop(
-        running, body, (state, result, recent, jnp.int32(0)))
-    return state, result
+    end = jax.lax.while_loop(running, body, start)
+    return end.state, end.result
 
   def generate(self, params, tokens: Array, mask: Array, rng: Array, max_new_tokens: int,
-               stop_sequences: Array | None = None,
-               budget: Array | None = None) -> tuple[DecodeState, DecodeResult]:
+               stop_sequences: Array | None = None, budget: Array | None = None,
+               eos_id: int | None = None) -> tuple[DecodeState, DecodeResult]:
     """Prefill + one decode: continues left-padded prompts `i32[B, P]` by up to
     `max_new_tokens` tokens (per-row `budget: i32[B]` may lower it)."""
     b, p = tokens.shape
     state = self.prefill(params, tokens, mask, p + max_new_tokens)
     if budget is None:
       budget = jnp.full((b,), max_new_tokens, jnp.int32)
-    return self.decode(params, state, rng, budget, stop_sequences, max_steps=max_new_tokens)
+    return self.decode(params, state, rng, budget, stop_sequences, max_steps=max_new_tokens,
+                       eos_id=eos_id)

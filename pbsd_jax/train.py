@@ -22,12 +22,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from pbsd_jax import checkpoint, learner, privileged, run_config
-from pbsd_jax.batch import forced_batch, gold_batch, prompt_batch
+from pbsd_jax import checkpoint, learner, run_config, train_state
+from pbsd_jax.batch import forced_batch, gold_batch, prompt_region
 from pbsd_jax.env import protocol
+from pbsd_jax.env.agent_env import AgentEnv
 from pbsd_jax.env.bm25 import BM25Index
 from pbsd_jax.models import ModelConfig, init_params
-from pbsd_jax.rollout import AgentEnv, host_rollout, ingraph_rollout
+from pbsd_jax.rollout import host_rollout, ingraph_rollout
 from pbsd_jax.sampling import Sampler
 
 
@@ -123,20 +124,20 @@ def sft_sequences(task: Task, records: list[dict], config, model: ModelConfig,
   are cropped to the longest trajectory (`[N, W]`).
   """
   env = task.env
-  sampler = Sampler(model, eos_id=task.vocab.eos_id)
+  sampler = Sampler(model)
   params = init_params(model, jax.random.key(0))  # forced actions: the weights are unused
   out = []
   for start in range(0, len(records), chunk):
     rows = records[start:start + chunk]
     rows = rows + [rows[-1]] * (chunk - len(rows))  # one shape, one compile
-    prompts, mask = prompt_batch([r["question"] for r in rows], task.encode,
-                                 config.data.prompt_width,
-                                 protocol.PROMPT_TEMPLATES[config.data.prompt_template])
+    region = prompt_region([r["question"] for r in rows], task.encode,
+                           config.data.prompt_width,
+                           protocol.PROMPT_TEMPLATES[config.data.prompt_template])
     forced, lengths = forced_batch([r["actions"] for r in rows], task.encode, env.max_turns,
                                    env.max_action_tokens)
     gold = gold_batch([r["golden_answers"] for r in rows], task.encode, config.data.gold_width)
-    rollout = ingraph_rollout(sampler, env, params, prompts, mask, jax.random.key(0),
-                              task.index, gold, None, forced, lengths)
+    rollout = ingraph_rollout(sampler, env, params, region["prompts"], region["prompt_mask"],
+                              jax.random.key(0), task.index, gold, None, forced, lengths)
     keep = min(chunk, len(records) - start)
     out.append(jax.tree.map(lambda x: np.asarray(x)[:keep],
                             (rollout.tokens, rollout.mask, rollout.action_mask)))
@@ -166,8 +167,8 @@ class MetricLog:
 
 def _optimizer(config, lr: float, warmup: int, steps: int) -> optax.GradientTransformation:
   o = config.optim
-  return learner.make_optimizer(lr, warmup, steps, o.weight_decay, o.b1, o.b2, o.grad_clip,
-                                o.schedule)
+  return train_state.make_optimizer(lr, warmup, steps, o.weight_decay, o.b1, o.b2, o.grad_clip,
+                                    o.schedule)
 
 
 def _plan(config) -> learner.UpdatePlan:
@@ -175,7 +176,8 @@ def _plan(config) -> learner.UpdatePlan:
                             config.rl.micro_batch_size or None, config.rl.chunk_size or None)
 
 
-def _resume(ckpt: checkpoint.Checkpointer, state: learner.TrainState) -> learner.TrainState:
+def _resume(ckpt: checkpoint.Checkpointer,
+            state: train_state.TrainState) -> train_state.TrainState:
   restored = ckpt.restore_or_none(state)
   return state if restored is None else restored[0]
 
@@ -190,12 +192,12 @@ def initial_params(config, model: ModelConfig) -> Any:
 
 
 def sft_stage(config, task: Task, model: ModelConfig, workdir: str, log: MetricLog,
-              progress: Callable = lambda it, **kw: it) -> learner.TrainState:
+              progress: Callable = lambda it, **kw: it) -> train_state.TrainState:
   """`config.sft.steps` updates of masked NLL on oracle trajectories (resumable)."""
   steps = config.sft.steps
   tx = _optimizer(config, config.sft.lr, config.sft.warmup_steps, steps)
-  state = learner.init_train_state(initial_params(config, model), tx,
-                                   jax.random.key(config.seed))
+  state = train_state.init_train_state(initial_params(config, model), tx,
+                                       jax.random.key(config.seed))
   with checkpoint.Checkpointer(os.path.join(workdir, "ckpt_sft"),
                                save_interval_steps=config.checkpoint.save_interval_steps,
                                max_to_keep=config.checkpoint.max_to_keep,
@@ -233,16 +235,14 @@ def rl_prompts(task: Task, config, step: int) -> tuple[list[dict], np.ndarray]:
 
 
 def rl_batch(task: Task, config, records: list[dict]) -> dict[str, np.ndarray]:
-  """Student and teacher prompts and gold answer tokens for `records`."""
-  template = protocol.PROMPT_TEMPLATES[config.data.prompt_template]
-  student = [task.encode(protocol.format_prompt(r["question"], template)) for r in records]
-  tokens, mask, teacher, teacher_mask = privileged.dual_prompts(
-      student, [r["golden_answers"][0] for r in records], task.encode,
-      config.data.prompt_width, pad_id=0)
-  return dict(prompts=tokens, prompt_mask=mask, teacher_prompt=teacher,
-              teacher_prompt_mask=teacher_mask,
-              gold=gold_batch([r["golden_answers"] for r in records], task.encode,
-                              config.data.gold_width))
+  """Student and teacher prompt regions (`prompt_region`) and gold answer tokens for
+  `records`; the teacher is told each record's first gold answer."""
+  region = prompt_region([r["question"] for r in records], task.encode,
+                         config.data.prompt_width,
+                         protocol.PROMPT_TEMPLATES[config.data.prompt_template],
+                         answers=[r["golden_answers"][0] for r in records])
+  return dict(**region, gold=gold_batch([r["golden_answers"] for r in records], task.encode,
+                                        config.data.gold_width))
 
 
 def make_rl_iteration(sampler: Sampler, env: AgentEnv, model: ModelConfig,
@@ -266,15 +266,15 @@ def make_rl_iteration(sampler: Sampler, env: AgentEnv, model: ModelConfig,
 
 def rl_stage(config, task: Task, model: ModelConfig, params: Any, workdir: str,
              log: MetricLog, progress: Callable = lambda it, **kw: it,
-             on_step: Callable | None = None) -> learner.TrainState:
+             on_step: Callable | None = None) -> train_state.TrainState:
   """`config.rl.steps` RL steps of `config.algorithm` starting from `params` (resumable)."""
   algo = run_config.build_algorithm(config)
   steps = config.rl.steps
   tx = _optimizer(config, config.optim.lr, config.optim.warmup_steps, steps)
   sampler = Sampler(model, temperature=config.rollout.temperature, top_k=config.rollout.top_k,
-                    top_p=config.rollout.top_p, eos_id=task.vocab.eos_id)
+                    top_p=config.rollout.top_p)
   plan = _plan(config)
-  state = learner.init_train_state(params, tx, jax.random.key(config.seed + 1))
+  state = train_state.init_train_state(params, tx, jax.random.key(config.seed + 1))
   teacher_params = jax.tree.map(jnp.copy, params) if algo.distillation_beta is not None else None
   if config.env.retriever == "ingraph" and teacher_params is None:
     jitted = make_rl_iteration(sampler, task.env, model, tx, algo, plan)

@@ -42,7 +42,7 @@ def main(argv):
 
   def validation_accuracy(params, name):
     result = evaluate.evaluate(
-        Sampler(model, temperature=0.0, eos_id=task.vocab.eos_id), task.env, params,
+        Sampler(model, temperature=0.0), task.env, params,
         task.splits["rl_validation"][:config.eval.num_examples], task.encode, task.index,
         batch_size=50, rng=jax.random.key(config.seed), prompt_width=config.data.prompt_width,
         gold_width=config.data.gold_width, progress=tqdm.tqdm)

@@ -75,9 +75,9 @@ def main(argv):
   rng = jax.random.key(_SEED.value)
   for i, (name, records) in enumerate(splits.items()):
     got = evaluate.evaluate_policy(
-        model, task.env, params, records, task.encode, task.index, eos_id=task.vocab.eos_id,
-        batch_size=_BATCH_SIZE.value, rng=jax.random.fold_in(rng, i),
-        prompt_width=config.data.prompt_width, gold_width=config.data.gold_width,
+        model, task.env, params, records, task.encode, task.index, batch_size=_BATCH_SIZE.value,
+        rng=jax.random.fold_in(rng, i), prompt_width=config.data.prompt_width,
+        gold_width=config.data.gold_width,
         samples_per_question=samples, temperature=config.eval.temperature,
         top_p=config.eval.top_p, pass_k=tuple(config.eval.pass_k), template=template,
         progress=lambda it, **kw: tqdm.tqdm(it, leave=False, **kw))

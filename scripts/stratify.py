@@ -60,8 +60,7 @@ def main(argv):
   except (FileNotFoundError, ValueError) as err:
     raise SystemExit(f"stratify: {err}") from None
 
-  sampler = Sampler(model, temperature=config.eval.temperature, top_p=config.eval.top_p,
-                    eos_id=task.vocab.eos_id)
+  sampler = Sampler(model, temperature=config.eval.temperature, top_p=config.eval.top_p)
   result = evaluate.evaluate(
       sampler, task.env, params, records, task.encode, task.index,
       batch_size=_BATCH_SIZE.value, rng=jax.random.key(_SEED.value),

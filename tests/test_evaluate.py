@@ -1,7 +1,6 @@
 """Evaluation: pass@k, statistics, the batched driver on the embedded task, stratification."""
 
 import itertools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -11,10 +10,11 @@ import pytest
 from pbsd_jax import evaluate as ev
 from pbsd_jax import policy_checkpoint
 from pbsd_jax import vocab as vocab_lib
-from pbsd_jax.batch import gold_batch, prompt_batch
+from pbsd_jax.batch import gold_batch, prompt_region
 from pbsd_jax.env import protocol
+from pbsd_jax.env.agent_env import AgentEnv
 from pbsd_jax.models import ModelConfig, init_params
-from pbsd_jax.rollout import AgentEnv, ingraph_rollout
+from pbsd_jax.rollout import ingraph_rollout
 from pbsd_jax.sampling import Sampler
 
 P, GOLD = 24, 8
@@ -48,7 +48,8 @@ def test_pass_at_k_is_stable_where_binomials_overflow_floats():
   # C(2000, 1000) ~ 1e600 is not a float; the product form still gives 1 - (1/2)^... exactly.
   n, c, k = 2000, 1, 1000
   assert ev.pass_at_k(n, c, k) == pytest.approx(k / n)  # one correct sample: P(drawn) = k/n
-  assert math.isfinite(float(ev.pass_at_k_array(n, [1000], k)[0]))
+  # Half correct: all 1000 draws miss them with probability 1/C(2000, 1000) ~ 1e-600.
+  np.testing.assert_allclose(ev.pass_at_k_array(n, [1, 1000], k), [k / n, 1.0], rtol=1e-12)
 
 
 def test_pass_at_k_rejects_k_above_the_number_of_samples():
@@ -214,7 +215,7 @@ def _evaluate(kg, automaton, sampler, batch_size, n=1, rng=0):
 
 def test_greedy_evaluation_gives_the_hand_computed_statistics(kg, automaton):
   _, config, _, _ = automaton
-  got = _evaluate(kg, automaton, Sampler(config, temperature=0.0, eos_id=kg.vocab.eos_id), 4)
+  got = _evaluate(kg, automaton, Sampler(config, temperature=0.0), 4)
   assert got["solve_counts"] == [1, 1, 0, 1, 0, 0]
   assert got["accuracy"] == 3 / 6
   assert got["tier_accuracy"] == {"in_domain": 1.0, "easy": 0.5, "hard": 0.0}
@@ -225,11 +226,12 @@ def test_greedy_evaluation_gives_the_hand_computed_statistics(kg, automaton):
 
 def test_padded_last_batch_matches_one_direct_rollout_of_all_records(kg, automaton):
   env, config, params, records = automaton
-  sampler = Sampler(config, temperature=0.0, eos_id=kg.vocab.eos_id)
-  prompts, mask = prompt_batch([r["question"] for r in records], kg.encode, P)
+  sampler = Sampler(config, temperature=0.0)
+  region = prompt_region([r["question"] for r in records], kg.encode, P)
   gold = gold_batch([r["golden_answers"] for r in records], kg.encode, GOLD)
-  direct = ingraph_rollout(sampler, env, params, jnp.asarray(prompts), jnp.asarray(mask),
-                           jax.random.key(0), kg.retriever.index, jnp.asarray(gold))
+  direct = ingraph_rollout(sampler, env, params, jnp.asarray(region["prompts"]),
+                           jnp.asarray(region["prompt_mask"]), jax.random.key(0),
+                           kg.retriever.index, jnp.asarray(gold))
   padded = _evaluate(kg, automaton, sampler, 4)  # batches of 4 rows + 2 rows padded to 4
   assert padded == _evaluate(kg, automaton, sampler, len(records))  # one batch, no padding
   assert padded["solve_counts"] == np.asarray(direct.reward).astype(int).tolist()
@@ -245,7 +247,7 @@ def test_evaluate_policy_samples_with_top_p_and_reports_pass_at_k(kg, automaton)
   env, config, params, records = automaton
   n = 4
   got = ev.evaluate_policy(config, env, params, records, kg.encode, kg.retriever.index,
-                           eos_id=kg.vocab.eos_id, batch_size=4, rng=jax.random.key(1),
+                           batch_size=4, rng=jax.random.key(1),
                            prompt_width=P, gold_width=GOLD, samples_per_question=n)
   assert got["greedy"]["solve_counts"] == [1, 1, 0, 1, 0, 0]
   assert got["greedy"]["pass_at_k"] == {"1": 0.5}
@@ -275,13 +277,13 @@ def test_a_prompt_too_long_for_the_width_names_its_record(kg, automaton):
 
 
 def test_restore_params_reads_the_latest_train_state_checkpoint(tmp_path):
-  from pbsd_jax import checkpoint, learner
+  from pbsd_jax import checkpoint, learner, train_state
   config = ModelConfig(vocab_size=16, hidden_size=8, num_layers=1, num_heads=2,
                        num_kv_heads=1, mlp_dim=8)
-  tx = learner.make_optimizer(1e-3)
+  tx = train_state.make_optimizer(1e-3)
   with checkpoint.Checkpointer(str(tmp_path / "ckpt_rl"), async_save=False) as ckpt:
     for step, seed in ((2, 0), (5, 1)):
-      state = learner.init_train_state(init_params(config, jax.random.key(seed)), tx,
+      state = train_state.init_train_state(init_params(config, jax.random.key(seed)), tx,
                                        jax.random.key(0))
       ckpt.save(state, {}, step=step, force=True)
   params, step = policy_checkpoint.restore_params(str(tmp_path / "ckpt_rl"))

@@ -150,3 +150,14 @@ def test_no_queries_make_no_request():
   client = HttpRetriever("http://127.0.0.1:9/retrieve", max_retries=0)
   assert client.retrieve([], 3) == []
   assert client.metrics()["attempts"] == 0
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(url=""), "HttpRetriever.url must be a non-empty URL, got ''"),
+    (dict(timeout_s=0.0), "HttpRetriever.timeout_s must be > 0, got 0.0"),
+    (dict(max_retries=-1), "HttpRetriever.max_retries must be >= 0, got -1"),
+    (dict(backoff_s=-0.5), "HttpRetriever.backoff_s must be >= 0, got -0.5"),
+])
+def test_client_settings_that_cannot_run_name_their_field(settings, message):
+  with pytest.raises(ValueError, match=f"^{message}$"):
+    HttpRetriever(**{"url": "http://127.0.0.1:9/retrieve", **settings})

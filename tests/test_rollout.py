@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 
 from pbsd_jax import vocab as vocab_lib
-from pbsd_jax.batch import forced_batch, gold_batch, prompt_batch
+from pbsd_jax.batch import forced_batch, gold_batch, prompt_region
 from pbsd_jax.env import protocol
+from pbsd_jax.env.agent_env import (KIND_ANSWER, KIND_EOS, KIND_INVALID, KIND_SEARCH, AgentEnv,
+                                    assemble_observation, classify_turn)
 from pbsd_jax.env.http import HttpRetriever, RetrievalServer
 from pbsd_jax.env.observations import format_document
 from pbsd_jax.models import ModelConfig, init_params
-from pbsd_jax.rollout import (KIND_ANSWER, KIND_EOS, KIND_INVALID, KIND_SEARCH, AgentEnv,
-                              assemble_observation, classify_turn, host_rollout,
-                              ingraph_rollout)
+from pbsd_jax.rollout import host_rollout, ingraph_rollout
 from pbsd_jax.sampling import Sampler
 
 P, MAX_TURNS, ACTION = 40, 6, 40
@@ -36,13 +36,13 @@ def setup(kg):
                             ignore_ids=vocab_lib.whitespace_ids(kg.vocab))
   config = ModelConfig(vocab_size=kg.vocab.vocab_size, hidden_size=32, num_layers=1,
                        num_heads=2, num_kv_heads=1, mlp_dim=64)
-  sampler = Sampler(config, eos_id=kg.vocab.eos_id)
+  sampler = Sampler(config)
   return env, sampler, init_params(config, jax.random.key(0))
 
 
 def _prompts(kg, records):
-  tokens, mask = prompt_batch([r["question"] for r in records], kg.encode, P)
-  return jnp.asarray(tokens), jnp.asarray(mask)
+  region = prompt_region([r["question"] for r in records], kg.encode, P)
+  return jnp.asarray(region["prompts"]), jnp.asarray(region["prompt_mask"])
 
 
 def _forced(kg, action_lists):
@@ -102,7 +102,7 @@ def test_oracle_replay_reproduces_actions_observations_and_turn_ids(kg, setup):
       if k == len(r["actions"]) - 1:
         break
       query = action.split(protocol.SEARCH_OPEN)[1].split(protocol.SEARCH_CLOSE)[0]
-      docs = kg.retriever.retrieve_ids([kg.encode(query)[:-1] + [kg.encode(query)[-1]]], 3)[0]
+      docs = kg.retriever.retrieve_ids([kg.encode(query)], 3)[0]
       body = [t for d in docs for t in kg.encode(format_document(d))]
       body = body[:env.max_observation_tokens - 2]
       want = [env.info_open] + body + [env.info_close]
@@ -241,6 +241,30 @@ def test_assemble_observation_concatenates_documents_and_keeps_the_closing_tag()
   np.testing.assert_array_equal(obs[0, :7], [7, 11, 12, 13, 21, 22, 8])
   np.testing.assert_array_equal(obs[1, :5], [7, 31, 41, 42, 8])  # cut to the budget of 5
   assert np.all(np.asarray(obs[:, 7:]) == 0) and np.all(np.asarray(obs[1, 5:]) == 0)
+
+
+_ENV_FIELDS = dict(buffer_size=12, max_turns=2, max_action_tokens=8, max_observation_tokens=8,
+                   max_query_tokens=3, top_k=1, search_open=5, search_close=6, answer_open=9,
+                   answer_close=10, info_open=7, info_close=8, eos_id=1, notice=(30,))
+
+
+@pytest.mark.parametrize("field, value, why", [
+    ("buffer_size", 0, "must be an int >= 1, got 0"),
+    ("max_turns", 0, "must be an int >= 1, got 0"),
+    ("max_action_tokens", -1, "must be an int >= 1, got -1"),
+    ("max_query_tokens", 0, "must be an int >= 1, got 0"),
+    ("top_k", 0, "must be an int >= 1, got 0"),
+    ("top_k", 1.5, "must be an int >= 1, got 1.5"),
+    ("max_observation_tokens", 2, r"must be an int >= 3 \(two tags and a token\), got 2"),
+    ("search_close", -1, "must be a token id >= 0, got -1"),
+    ("answer_close", 6, "must differ from AgentEnv.search_close, both are 6"),
+    ("eos_id", 9, "must differ from AgentEnv.answer_open, both are 9"),
+    ("notice", [30], r"must be a tuple of token ids \(hashable\), got \[30\]"),
+    ("notice", (), "must not be empty"),
+])
+def test_agent_env_names_the_field_that_cannot_run(field, value, why):
+  with pytest.raises(ValueError, match=f"^AgentEnv.{field} {why}$"):
+    AgentEnv(**{**_ENV_FIELDS, field: value})
 
 
 def test_single_token_tags_are_required():

@@ -8,9 +8,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pbsd_jax.env.agent_env import AgentEnv
 from pbsd_jax.env.bm25 import BM25Index
 from pbsd_jax.models import ModelConfig, init_params
-from pbsd_jax.rollout import AgentEnv, ingraph_rollout
+from pbsd_jax.rollout import ingraph_rollout
 from pbsd_jax.sampling import Sampler
 
 V, TURNS, WIDTH = 40, 3, 10
@@ -24,7 +25,7 @@ INDEX = BM25Index.build(DOCS, V, ignore_ids=range(11))
 CONFIG = ModelConfig(vocab_size=V, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
                      mlp_dim=32)
 PARAMS = init_params(CONFIG, jax.random.key(0))
-SAMPLER = Sampler(CONFIG, eos_id=1)
+SAMPLER = Sampler(CONFIG)
 PROMPT, PMASK = jnp.array([[0, 12, 13, 14]] * 2), jnp.array([[False, True, True, True]] * 2)
 GOLD = jnp.full((2, 1, 2), 13, jnp.int32)
 

@@ -153,8 +153,8 @@ def test_eos_ends_a_row_and_is_kept_as_its_last_token():
   free, _ = Sampler(CONFIG, temperature=0.0).generate(PARAMS, PROMPT, PMASK,
                                                       jax.random.key(0), 6)
   eos = int(free.tokens[1, 7])  # row 1's third greedy token
-  state, res = Sampler(CONFIG, temperature=0.0, eos_id=eos).generate(
-      PARAMS, PROMPT, PMASK, jax.random.key(0), 6)
+  state, res = Sampler(CONFIG, temperature=0.0).generate(
+      PARAMS, PROMPT, PMASK, jax.random.key(0), 6, eos_id=eos)
   first = int(np.argmax(np.asarray(free.tokens[1, 5:]) == eos))
   assert int(res.num_new[1]) == first + 1 and int(res.stop_reason[1]) == sampling.STOP_EOS
   assert int(state.tokens[1, 5 + first]) == eos
@@ -192,3 +192,14 @@ def test_bad_sampler_settings_raise():
     Sampler(CONFIG, temperature=-1.0)
   with pytest.raises(ValueError, match="top_k"):
     Sampler(CONFIG, top_k=CONFIG.vocab_size + 1)
+
+
+@pytest.mark.parametrize("settings, message", [
+    (dict(temperature=-0.5), "Sampler.temperature must be >= 0, got -0.5"),
+    (dict(top_p=0.0), r"Sampler.top_p must be in \(0, 1\], got 0.0"),
+    (dict(top_p=1.5), r"Sampler.top_p must be in \(0, 1\], got 1.5"),
+    (dict(top_k=-1), r"Sampler.top_k must be in \[0, vocab_size=40\], got -1"),
+])
+def test_sampler_names_the_field_that_cannot_run(settings, message):
+  with pytest.raises(ValueError, match=f"^{message}$"):
+    Sampler(CONFIG, **settings)

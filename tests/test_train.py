@@ -106,7 +106,7 @@ def test_one_jitted_call_runs_rollout_reward_evidence_credit_and_update(kg):
   import jax
   import jax.numpy as jnp
 
-  from pbsd_jax import learner, run_config, train
+  from pbsd_jax import run_config, train, train_state
   from test_configs import load
 
   config = load("pbsd", *SMALL)
@@ -114,10 +114,10 @@ def test_one_jitted_call_runs_rollout_reward_evidence_credit_and_update(kg):
   model = run_config.build_model_config(config, task.vocab.vocab_size)
   algo = run_config.build_algorithm(config)
   tx = train._optimizer(config, config.optim.lr, 0, 2)
-  sampler = train.Sampler(model, eos_id=task.vocab.eos_id)
+  sampler = train.Sampler(model)
   iteration = train.make_rl_iteration(sampler, task.env, model, tx, algo, train._plan(config))
-  state = learner.init_train_state(train.init_params(model, jax.random.key(0)), tx,
-                                   jax.random.key(1))
+  state = train_state.init_train_state(train.init_params(model, jax.random.key(0)), tx,
+                                       jax.random.key(1))
   records, group_ids = train.rl_prompts(task, config, 0)
   batch = train.rl_batch(task, config, records)
   args = (state, task.index, batch, jnp.asarray(group_ids, jnp.int32))

@@ -229,9 +229,14 @@ class HttpRetriever:
       backoff_s: the first retry's delay (doubling after each).
       sleep: the delay function (tests pass one that records delays).
     """
-    if max_retries < 0 or timeout_s <= 0 or backoff_s < 0:
-      raise ValueError(f"need max_retries >= 0, timeout_s > 0, backoff_s >= 0; got "
-                       f"{max_retries}, {timeout_s}, {backoff_s}")
+    if not isinstance(url, str) or not url:
+      raise ValueError(f"HttpRetriever.url must be a non-empty URL, got {url!r}")
+    if timeout_s <= 0:
+      raise ValueError(f"HttpRetriever.timeout_s must be > 0, got {timeout_s!r}")
+    if max_retries < 0:
+      raise ValueError(f"HttpRetriever.max_retries must be >= 0, got {max_retries!r}")
+    if backoff_s < 0:
+      raise ValueError(f"HttpRetriever.backoff_s must be >= 0, got {backoff_s!r}")
     self.url = url
     self.timeout_s = timeout_s
     self.max_retries = max_retries
