@@ -27,18 +27,19 @@ def main(argv):
   import tqdm
 
   from pbsd_jax import evaluate, likelihood, policy_checkpoint, privileged, report
-  from pbsd_jax import run_config, train
+  from pbsd_jax import run_config, task as task_lib, train
   from pbsd_jax.algorithms import group_advantages
+  from pbsd_jax.metric_log import MetricLog
   from pbsd_jax.sampling import Sampler
 
   start = time.time()
   config, workdir = _CONFIG.value, _WORKDIR.value
   run_config.validate_for_script(config)
   os.makedirs(workdir, exist_ok=True)
-  task = train.prepare_task(config, workdir)
+  task = task_lib.prepare_task(config, workdir)
   model = run_config.build_model_config(config, task.vocab.vocab_size)
   policy_checkpoint.save_model_config(workdir, model)
-  log = train.MetricLog(workdir)
+  log = MetricLog(workdir)
 
   def validation_accuracy(params, name):
     result = evaluate.evaluate(

@@ -49,7 +49,7 @@ def main(argv):
   import jax
   import tqdm
 
-  from pbsd_jax import evaluate, run_config, train
+  from pbsd_jax import evaluate, run_config, task as task_lib
   from pbsd_jax.env import protocol
 
   logging.set_verbosity(logging.WARNING)
@@ -64,7 +64,7 @@ def main(argv):
   run_config.validate_for_script(config)
   template = protocol.PROMPT_TEMPLATES[config.data.prompt_template]
   try:
-    task, model, params, step = train.load_policy(config, ckpt_dir, _STEP.value, workdir)
+    task, model, params, step = task_lib.load_policy(config, ckpt_dir, _STEP.value, workdir)
     splits = {name: evaluate.head_per_tier(task.records(name), num_examples)
               for name in _SPLITS.value}
   except (FileNotFoundError, ValueError) as err:

@@ -41,7 +41,7 @@ def main(argv):
   import jax
   import tqdm
 
-  from pbsd_jax import evaluate, run_config, train
+  from pbsd_jax import evaluate, run_config, task as task_lib
   from pbsd_jax.env import protocol
   from pbsd_jax.sampling import Sampler
 
@@ -55,7 +55,7 @@ def main(argv):
     raise app.UsageError("--samples and --per_tier must be >= 1")
   run_config.validate_for_script(config)
   try:
-    task, model, params, step = train.load_policy(config, ckpt_dir, _STEP.value, workdir)
+    task, model, params, step = task_lib.load_policy(config, ckpt_dir, _STEP.value, workdir)
     records = task.records(_SPLIT.value)
   except (FileNotFoundError, ValueError) as err:
     raise SystemExit(f"stratify: {err}") from None

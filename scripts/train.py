@@ -21,16 +21,17 @@ def main(argv):
   del argv
   import tqdm
 
-  from pbsd_jax import policy_checkpoint, run_config, train
+  from pbsd_jax import policy_checkpoint, run_config, task as task_lib, train
+  from pbsd_jax.metric_log import MetricLog
 
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it renames at INFO
   config = _CONFIG.value
   run_config.validate_for_script(config)
   os.makedirs(_WORKDIR.value, exist_ok=True)
-  task = train.prepare_task(config, _WORKDIR.value)
+  task = task_lib.prepare_task(config, _WORKDIR.value)
   model = run_config.build_model_config(config, task.vocab.vocab_size)
   policy_checkpoint.save_model_config(_WORKDIR.value, model)
-  log = train.MetricLog(_WORKDIR.value)
+  log = MetricLog(_WORKDIR.value)
   state = train.sft_stage(config, task, model, _WORKDIR.value, log, progress=tqdm.tqdm)
   train.rl_stage(config, task, model, state.params, _WORKDIR.value, log, progress=tqdm.tqdm)
 

@@ -277,7 +277,7 @@ def test_a_prompt_too_long_for_the_width_names_its_record(kg, automaton):
 
 
 def test_restore_params_reads_the_latest_train_state_checkpoint(tmp_path):
-  from pbsd_jax import checkpoint, learner, train_state
+  from pbsd_jax import checkpoint, train_state
   config = ModelConfig(vocab_size=16, hidden_size=8, num_layers=1, num_heads=2,
                        num_kv_heads=1, mlp_dim=8)
   tx = train_state.make_optimizer(1e-3)

@@ -102,32 +102,75 @@ def test_a_bad_config_ends_the_run_at_start_up_with_one_line(kg, tmp_path):
   assert not os.path.exists(os.path.join(str(tmp_path), "ckpt_sft"))
 
 
-def test_one_jitted_call_runs_rollout_reward_evidence_credit_and_update(kg):
+def _one_step_both_ways(kg, algorithm):
+  """One RL step of `algorithm` as one program (`make_rl_iteration`) and as two (the
+  rollout, then `learner.make_rl_step`), from the same state and batch."""
   import jax
   import jax.numpy as jnp
 
-  from pbsd_jax import run_config, train, train_state
+  from pbsd_jax import learner, run_config, task as task_lib, train, train_state
+  from pbsd_jax.models import init_params
+  from pbsd_jax.rollout import ingraph_rollout
+  from pbsd_jax.sampling import Sampler
   from test_configs import load
 
-  config = load("pbsd", *SMALL)
-  task = train.prepare_task(config, os.path.dirname(kg.paths["spm_model"]))
+  config = load(algorithm, *SMALL)
+  task = task_lib.prepare_task(config, os.path.dirname(kg.paths["spm_model"]))
   model = run_config.build_model_config(config, task.vocab.vocab_size)
   algo = run_config.build_algorithm(config)
-  tx = train._optimizer(config, config.optim.lr, 0, 2)
-  sampler = train.Sampler(model)
-  iteration = train.make_rl_iteration(sampler, task.env, model, tx, algo, train._plan(config))
-  state = train_state.init_train_state(train.init_params(model, jax.random.key(0)), tx,
-                                       jax.random.key(1))
-  records, group_ids = train.rl_prompts(task, config, 0)
-  batch = train.rl_batch(task, config, records)
-  args = (state, task.index, batch, jnp.asarray(group_ids, jnp.int32))
-  lowered = iteration.lower(*args)
-  assert "while" in lowered.as_text()  # the turn loop is inside the one program
-  new_state, rollout, metrics = iteration(*args)
+  tx = run_config.build_optimizer(config, "rl")
+  plan = run_config.build_plan(config)
+  sampler = Sampler(model)
+  iteration = train.make_rl_iteration(sampler, task.env, model, tx, algo, plan)
+  params = init_params(model, jax.random.key(0))
+  teacher = jax.tree.map(jnp.copy, params) if algo.distillation_beta is not None else None
+  state = train_state.init_train_state(params, tx, jax.random.key(1))
+  separate = jax.tree.map(jnp.copy, state)  # the one program donates `state`
+  records, group_ids = task_lib.rl_prompts(task, config, 0)
+  batch = task_lib.rl_batch(task, config, records)
+  group_ids = jnp.asarray(group_ids, jnp.int32)
+  args = (state, task.index, batch, group_ids, teacher)
+  text = iteration.lower(*args).as_text()
+  one = iteration(*args)
+
+  rng, sample = jax.random.split(separate.rng)
+  rollout = ingraph_rollout(sampler, task.env, separate.params, batch["prompts"],
+                            batch["prompt_mask"], sample, task.index, batch["gold"], group_ids)
+  update = learner.make_rl_step(model, tx, algo, task.env.max_turns, plan)
+  two = (*update(separate.replace(rng=rng), rollout, batch["teacher_prompt"],
+                 batch["teacher_prompt_mask"], teacher), rollout)
+  return config, text, one, two
+
+
+def _assert_same_step(one, two, keys):
+  import jax
+  (state, rollout, metrics), (want_state, want_metrics, want_rollout) = one, two
+  np.testing.assert_array_equal(rollout.tokens, want_rollout.tokens)
+  np.testing.assert_array_equal(rollout.reward, want_rollout.reward)
+  assert int(state.step) == int(want_state.step) == 1
+  for key in keys:
+    np.testing.assert_allclose(float(metrics[key]), float(want_metrics[key]), rtol=1e-4,
+                               atol=1e-6, err_msg=key)
+  for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(want_state.params)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_one_jitted_call_runs_rollout_reward_evidence_credit_and_update(kg):
+  config, text, one, two = _one_step_both_ways(kg, "pbsd")
+  assert "while" in text  # the turn loop is inside the one program
+  new_state, rollout, metrics = one
   assert int(new_state.step) == 1 and rollout.tokens.shape == (4, config.env.buffer_size)
   np.testing.assert_array_equal(rollout.group_ids, [0, 0, 1, 1])
   assert float(metrics["accuracy"]) == float(np.mean(rollout.reward))
-  assert "credit/frac_evidence_pos" in metrics and np.isfinite(float(metrics["grad_norm"]))
+  # The one program computes what the rollout and the update compute apart.
+  _assert_same_step(one, two, ("credit/frac_evidence_pos", "credit/mean_abs_evidence",
+                               "grad_norm", "accuracy"))
+
+
+def test_opsd_with_frozen_teacher_parameters_is_one_program_too(kg):
+  _, text, one, two = _one_step_both_ways(kg, "opsd")
+  assert "while" in text
+  _assert_same_step(one, two, ("grad_norm", "accuracy"))
 
 
 def test_a_converted_checkpoint_is_where_training_starts(kg, tmp_path):
