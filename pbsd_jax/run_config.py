@@ -1,7 +1,8 @@
 """A run configuration: validate a ConfigDict and build the pieces it names.
 
-With `pbsd_jax.train` (the loop), the only library modules that read a `ml_collections`
-ConfigDict (configs/ holds the files); everything they build takes plain values. `validate`
+With `pbsd_jax.train` (the loop) and `pbsd_jax.task` (data and environment), the only library
+modules that read a `ml_collections` ConfigDict (configs/ holds the files); everything they
+build takes plain values. `validate`
 runs at start-up, before data is read or anything compiles: it builds the objects the run will
 build -- algorithm, model config, environment, samplers, optimisers, update plan, mesh -- so
 their constructors are the one place each rule is written, and turns the first `ValueError`

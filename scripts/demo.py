@@ -2,7 +2,9 @@
 evaluation -> report, on 2 CPU cores.
 
 Its last line is `demo: validation accuracy SFT=..% PBSD=..% (+.. points)` (greedy decoding
-on the 200 validation questions). Re-running resumes from the workdir's checkpoints.
+on the 200 validation questions). Re-running resumes from the workdir's checkpoints. Any
+registered algorithm runs with `--config.algorithm=NAME`; the credit page is drawn for those
+that compute teacher-student evidence (PBSD, RLSD).
 """
 
 import json
@@ -28,7 +30,6 @@ def main(argv):
 
   from pbsd_jax import evaluate, likelihood, policy_checkpoint, privileged, report
   from pbsd_jax import run_config, task as task_lib, train
-  from pbsd_jax.algorithms import group_advantages
   from pbsd_jax.metric_log import MetricLog
   from pbsd_jax.sampling import Sampler
 
@@ -60,24 +61,24 @@ def main(argv):
 
   def credit_page(step, state, rollout, batch):
     """The last RL step's rollout, each turn coloured by its evidence (post-update params)."""
-    if step != config.rl.steps:
+    if step != config.rl.steps or "logp_teacher" not in algo.needs:
       return
     teacher = privileged.teacher_sequence(rollout.tokens, rollout.mask, batch["teacher_prompt"],
                                           batch["teacher_prompt_mask"])
     logp = likelihood.dual_logprobs(state.params, model, rollout.tokens, rollout.mask, *teacher)
-    view = report.credit_view(
-        rollout, logp, group_advantages(rollout.reward, algo.group_size), task.env.max_turns,
-        rows=range(min(8, rollout.tokens.shape[0])), delta=algo.delta, clip=algo.clip,
-        eps_pos=algo.eps_pos, eps_neg=algo.eps_neg, reduction=algo.reduction, form=algo.form)
-    report.credit_html(view, task.decode, os.path.join(workdir, "credit.html"))
+    view = report.credit_view(rollout, logp, algo, task.env.max_turns,
+                              rows=range(min(8, rollout.tokens.shape[0])), step=step)
+    report.credit_html(view, task.decode, os.path.join(workdir, "credit.html"),
+                       title=f"{algo.name.upper()} turn-level credit")
 
   rl_state = train.rl_stage(config, task, model, sft_state.params, workdir, log,
                             progress=tqdm.tqdm, on_step=credit_page)
-  rl_acc = validation_accuracy(rl_state.params, "pbsd")
+  rl_acc = validation_accuracy(rl_state.params, algo.name)
   plots = report.plot_metrics(log.path, workdir)
-  print(f"demo: finished in {(time.time() - start) / 60:.1f} min; report: {len(plots)} plots "
-        f"and credit.html in {workdir}")
-  print(f"demo: validation accuracy SFT={sft_acc:.1%} PBSD={rl_acc:.1%} "
+  page = " and credit.html" if "logp_teacher" in algo.needs else ""
+  print(f"demo: finished in {(time.time() - start) / 60:.1f} min; report: {len(plots)} plots"
+        f"{page} in {workdir}")
+  print(f"demo: validation accuracy SFT={sft_acc:.1%} {algo.name.upper()}={rl_acc:.1%} "
         f"({(rl_acc - sft_acc) * 100:+.1f} points)")
 
 

@@ -29,8 +29,8 @@ def make_config():
 
 
 def make_tx():
-  from pbsd_jax import learner
-  return learner.make_optimizer(lr=1e-3, warmup_steps=2, weight_decay=0.1, grad_clip=1.0)
+  from pbsd_jax import train_state
+  return train_state.make_optimizer(lr=1e-3, warmup_steps=2, weight_decay=0.1, grad_clip=1.0)
 
 
 def make_algo():
@@ -107,9 +107,9 @@ def initial_params():
 def initial_state(tx, shardings=None):
   """The train state every run of the problem starts from (seeded)."""
   import jax
-  from pbsd_jax import learner
+  from pbsd_jax import train_state
   params = _initial_params_host() if shardings is not None else initial_params()
-  return learner.init_train_state(params, tx, jax.random.key(1), shardings)
+  return train_state.init_train_state(params, tx, jax.random.key(1), shardings)
 
 
 @functools.lru_cache(maxsize=None)
@@ -144,11 +144,11 @@ def _main(process_id: int, num_processes: int, port: int, out: str):
                              num_processes=num_processes, process_id=process_id)
   from jax.experimental import multihost_utils
 
-  from pbsd_jax import learner, sharding
+  from pbsd_jax import learner, sharding, train_state
 
   mesh = sharding.make_mesh(2, 2, 2)
   config, tx = make_config(), make_tx()
-  state = initial_state(tx, learner.train_state_shardings(config, tx, mesh))
+  state = initial_state(tx, train_state.train_state_shardings(config, tx, mesh))
   step = learner.make_rl_step(config, tx, make_algo(), MAX_TURNS, make_plan(), mesh)
   metrics = []
   for seed in (10, 11):
