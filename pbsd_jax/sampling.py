@@ -79,20 +79,15 @@ class DecodeCarry:
     result: the `DecodeResult` so far; a row stops once its `stop_reason` leaves RUNNING.
     recent: `i32[B, L]` each row's last L tokens sampled in this call, L the longest stop
       sequence; -2 where nothing was sampled yet, so a stop never matches across calls.
-    active: `bool[B]` rows that sample in this call (the same on every step).
     step: `i32[]` steps taken; step s draws with `fold_in(rng, s)`.
+
+  The rows that sample in the call (`active`) are a constant of the loop, not carried.
   """
 
   state: DecodeState
   result: DecodeResult
   recent: Array
-  active: Array
   step: Array
-
-  @property
-  def live(self) -> Array:
-    """`bool[B]` rows that sample at this step: active and not stopped."""
-    return self.active & (self.result.stop_reason == RUNNING)
 
 
 def stop_sequence_array(stops: list[list[int]], batch: int | None = None) -> Array:
@@ -272,38 +267,41 @@ class Sampler:
         result=DecodeResult(num_new=jnp.zeros((b,), jnp.int32),
                             stop_reason=jnp.where(active & (budget <= 0), STOP_BUDGET, RUNNING),
                             stop_index=jnp.full((b,), -1, jnp.int32)),
-        recent=jnp.full((b, stop_sequences.shape[-1]), -2, jnp.int32), active=active,
-        step=jnp.int32(0))
+        recent=jnp.full((b, stop_sequences.shape[-1]), -2, jnp.int32), step=jnp.int32(0))
+
+    def live(carry: DecodeCarry) -> Array:
+      """`bool[B]` rows that sample at this step: active and not stopped."""
+      return active & (carry.result.stop_reason == RUNNING)
 
     def running(carry: DecodeCarry) -> Array:
-      return (carry.step < max_steps) & jnp.any(carry.live)
+      return (carry.step < max_steps) & jnp.any(live(carry))
 
     def body(carry: DecodeCarry) -> DecodeCarry:
-      st, res, live = carry.state, carry.result, carry.live
+      st, res, live_rows = carry.state, carry.result, live(carry)
       token, logp = sample_token(jax.random.fold_in(rng, carry.step), st.logits,
                                  self.temperature, self.top_k, self.top_p)
-      out = self._forward(params, token[:, None], live[:, None], st.cache, st.cursor)
+      out = self._forward(params, token[:, None], live_rows[:, None], st.cache, st.cursor)
       rows = jnp.arange(b)
-      slot = jnp.where(live, st.cursor, st.buffer_size)  # out of range: dropped
+      slot = jnp.where(live_rows, st.cursor, st.buffer_size)  # out of range: dropped
       st = st.replace(
           tokens=st.tokens.at[rows, slot].set(token, mode="drop"),
           sampled=st.sampled.at[rows, slot].set(True, mode="drop"),
           sample_logp=st.sample_logp.at[rows, slot].set(logp, mode="drop"),
-          cache=out.cache, cursor=st.cursor + live,
-          logits=jnp.where(live[:, None], out.logits[:, 0], st.logits))
-      recent = jnp.where(live[:, None],
+          cache=out.cache, cursor=st.cursor + live_rows,
+          logits=jnp.where(live_rows[:, None], out.logits[:, 0], st.logits))
+      recent = jnp.where(live_rows[:, None],
                          jnp.concatenate([carry.recent[:, 1:], token[:, None]], 1), carry.recent)
       matches = jnp.all((stop_sequences == -1) | (stop_sequences == recent[:, None, :]), -1)
       matches &= jnp.any(stop_sequences != -1, axis=-1)
-      num_new = res.num_new + live
+      num_new = res.num_new + live_rows
       is_eos = (token == eos_id) if eos_id is not None else jnp.zeros((b,), bool)
       reason = jnp.select(
           [is_eos, jnp.any(matches, -1), num_new >= budget, st.cursor >= st.buffer_size],
           [STOP_EOS, STOP_SEQUENCE, STOP_BUDGET, STOP_BUFFER_FULL], RUNNING)
       res = DecodeResult(
           num_new=num_new,
-          stop_reason=jnp.where(live, reason, res.stop_reason),
-          stop_index=jnp.where(live & jnp.any(matches, -1), jnp.argmax(matches, -1),
+          stop_reason=jnp.where(live_rows, reason, res.stop_reason),
+          stop_index=jnp.where(live_rows & jnp.any(matches, -1), jnp.argmax(matches, -1),
                                res.stop_index))
       return carry.replace(state=st, result=res, recent=recent, step=carry.step + 1)
 

@@ -34,6 +34,13 @@ from pbsd_jax.task import Task, rl_batch, rl_prompts, sft_sequences
 RolloutFn = Callable[[Any, jax.Array, dict, jax.Array], Rollout]
 
 
+def _checkpointer(config, workdir: str, name: str) -> checkpoint.Checkpointer:
+  c = config.checkpoint
+  return checkpoint.Checkpointer(os.path.join(workdir, name),
+                                 save_interval_steps=c.save_interval_steps,
+                                 max_to_keep=c.max_to_keep, async_save=c.async_save)
+
+
 def _resume(ckpt: checkpoint.Checkpointer,
             state: train_state.TrainState) -> train_state.TrainState:
   restored = ckpt.restore_or_none(state)
@@ -56,10 +63,7 @@ def sft_stage(config, task: Task, model: ModelConfig, workdir: str, log: MetricL
   tx = run_config.build_optimizer(config, "sft")
   state = train_state.init_train_state(initial_params(config, model), tx,
                                        jax.random.key(config.seed))
-  with checkpoint.Checkpointer(os.path.join(workdir, "ckpt_sft"),
-                               save_interval_steps=config.checkpoint.save_interval_steps,
-                               max_to_keep=config.checkpoint.max_to_keep,
-                               async_save=config.checkpoint.async_save) as ckpt:
+  with _checkpointer(config, workdir, "ckpt_sft") as ckpt:
     state = _resume(ckpt, state)
     if int(state.step) >= steps:
       return state
@@ -164,10 +168,7 @@ def rl_stage(config, task: Task, model: ModelConfig, params: Any, workdir: str,
                         [r["golden_answers"] for r in records]),
         update, state, batch, group_ids, teacher_params)
 
-  with checkpoint.Checkpointer(os.path.join(workdir, "ckpt_rl"),
-                               save_interval_steps=config.checkpoint.save_interval_steps,
-                               max_to_keep=config.checkpoint.max_to_keep,
-                               async_save=config.checkpoint.async_save) as ckpt, \
+  with _checkpointer(config, workdir, "ckpt_rl") as ckpt, \
       checkpoint.PreemptionGuard() as guard:
     state = _resume(ckpt, state)
     for step in progress(range(int(state.step), steps), desc=config.algorithm,

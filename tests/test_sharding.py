@@ -113,6 +113,9 @@ def test_batch_sharding_splits_rows_over_data_and_fsdp():
 
 
 def _assert_same_run(params, metrics, ref_params, ref_metrics):
+  # The same leaves (zip would silently stop at the shorter run).
+  assert jax.tree.structure(params) == jax.tree.structure(ref_params)
+  assert len(metrics) == len(ref_metrics) > 0
   for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params),
                           jax.tree.leaves(ref_params)):
     np.testing.assert_allclose(np.asarray(a), b, rtol=1e-4, atol=1e-5,
@@ -147,7 +150,7 @@ def test_rl_step_on_a_2x2x2_mesh_matches_one_device_and_shards_big_params():
 
 
 def test_on_policy_rl_step_on_a_2x2x2_mesh_matches_one_device():
-  """One update in one pass: the advantages are computed inside the sharded loss."""
+  """One update in one pass: the old log-probs come from the sharded update's own forward."""
   config, tx, algo = mw.make_config(), mw.make_tx(), mw.make_algo()
   plan = learner.UpdatePlan(chunk_size=8)
   mesh = sharding.make_mesh(2, 2, 2)
