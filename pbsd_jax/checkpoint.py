@@ -26,7 +26,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from pbsd_jax.learner import TrainState
+from pbsd_jax.train_state import TrainState
 
 
 def _key_data(rng):
