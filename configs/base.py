@@ -44,9 +44,10 @@ def get_config() -> ml_collections.ConfigDict:
                                            b2=0.999, grad_clip=1.0, schedule="constant"))
 
   # RL stage: PPO epochs x mini-batches per step; micro_batch_size 0 = the whole mini-batch;
-  # chunk_size 0 = the LM head over the whole sequence at once.
+  # chunk_size 0 = the LM head over the whole sequence at once; max_skipped_steps: stop the
+  # run when this many steps in a row had every update skipped as non-finite (0: never stop).
   c.rl = ml_collections.ConfigDict(dict(steps=112, epochs=1, minibatches=1,
-                                        micro_batch_size=0, chunk_size=0))
+                                        micro_batch_size=0, chunk_size=0, max_skipped_steps=5))
 
   # SFT stage on oracle trajectories (0 steps: skip; max_examples 0: the whole SFT split).
   c.sft = ml_collections.ConfigDict(dict(steps=0, batch_size=32, lr=1e-3, warmup_steps=20,

@@ -4,7 +4,8 @@ With `pbsd_jax.train` (the loop) and `pbsd_jax.task` (data and environment), the
 modules that read a `ml_collections` ConfigDict (configs/ holds the files); everything they
 build takes plain values. `validate`
 runs at start-up, before data is read or anything compiles: it builds the objects the run will
-build -- algorithm, model config, environment, samplers, optimisers, update plan, mesh -- so
+build -- algorithm, model config, environment, retrieval client, samplers, optimisers, update
+plan, mesh, checkpointer -- so
 their constructors are the one place each rule is written, and turns the first `ValueError`
 into a `ConfigError` naming the offending `config.<field>` in one line. What only the config
 knows (section choices, cross-section sizes) is checked here.
@@ -169,11 +170,12 @@ def validate(config, num_devices: int | None = None) -> None:
           f"must be one of {sorted(protocol.PROMPT_TEMPLATES)}")
   if config.env.retriever not in RETRIEVERS:
     _fail("env.retriever", config.env.retriever, f"must be one of {RETRIEVERS}")
-  if config.env.retriever == "http":
-    with naming_fields({"url": "env.url", "timeout_s": "env.timeout_s",
-                        "max_retries": "env.max_retries"}, "env"):
-      HttpRetriever(config.env.url, timeout_s=config.env.timeout_s,
-                    max_retries=config.env.max_retries)
+  # The client's settings are checked whatever the retriever: a value no retriever can run
+  # with is a mistake even while another retriever is chosen (its URL only when it is used).
+  with naming_fields({"url": "env.url", "timeout_s": "env.timeout_s",
+                      "max_retries": "env.max_retries"}, "env"):
+    HttpRetriever(config.env.url if config.env.retriever == "http" else "http://unused",
+                  timeout_s=config.env.timeout_s, max_retries=config.env.max_retries)
   with naming_fields({f: f"env.{f}" for f in ENV_FIELDS}, "env"):
     AgentEnv(**{f: config.env[f] for f in ENV_FIELDS}, **_STAND_IN_IDS)
   if config.data.prompt_width >= config.env.buffer_size:
@@ -205,12 +207,27 @@ def validate(config, num_devices: int | None = None) -> None:
     build_plan(config).micro_batches(batch, mesh["data"] * mesh["fsdp"])
   if any(k < 1 for k in config.eval.pass_k):
     _fail("eval.pass_k", config.eval.pass_k, "every k must be >= 1")
+  if config.rl.max_skipped_steps < 0:
+    _fail("rl.max_skipped_steps", config.rl.max_skipped_steps, "must be >= 0 (0: never stop)")
+  validate_checkpointer(config)
+
+
+def validate_checkpointer(config) -> None:
+  """Builds the `checkpoint` section's `Checkpointer` in a scratch directory (the run's own
+  directories are made only once the run starts)."""
+  import tempfile
+  from pbsd_jax import checkpoint
+  c = config.checkpoint
+  fields = {f: f"checkpoint.{f}" for f in ("save_interval_steps", "max_to_keep")}
+  with naming_fields(fields, "checkpoint"), tempfile.TemporaryDirectory() as scratch:
+    with checkpoint.Checkpointer(scratch, save_interval_steps=c.save_interval_steps,
+                                 max_to_keep=c.max_to_keep, async_save=False):
+      pass
 
 
 def validate_for_script(config) -> None:
-  """`validate` at an absl script's start: a bad config ends it with one usage line."""
-  from absl import app
+  """`validate` at a script's start: a bad config ends it (exit status 1) with one line."""
   try:
     validate(config)
   except ConfigError as err:
-    raise app.UsageError(str(err)) from None
+    raise SystemExit(f"FATAL config error: {err}") from None

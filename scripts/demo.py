@@ -11,14 +11,13 @@ import json
 import os
 import time
 
-from absl import app
 from absl import flags
 from absl import logging
-from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", os.path.join(os.path.dirname(__file__), "..", "configs", "demo.py"),
-    "Run configuration.")
+from pbsd_jax import cli
+
+_CONFIG = cli.define_config(
+    os.path.join(os.path.dirname(__file__), "..", "configs", "demo.py"))
 _WORKDIR = flags.DEFINE_string("workdir", "workdir/demo", "Data, checkpoints and the report.")
 
 
@@ -83,4 +82,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

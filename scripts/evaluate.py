@@ -16,13 +16,12 @@ embedded task or a `.jsonl` / `.parquet` file of questions (e.g. the output of
 import json
 import os
 
-from absl import app
 from absl import flags
 from absl import logging
-from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/pbsd.py",
-                                          "Run configuration (data, environment, eval).")
+from pbsd_jax import cli
+
+_CONFIG = cli.define_config("configs/pbsd.py", "Run configuration (data, environment, eval).")
 _CKPT_DIR = flags.DEFINE_string("ckpt_dir", None, "Checkpoint directory to evaluate.",
                                 required=True)
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
@@ -94,4 +93,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -8,12 +8,12 @@ Re-running the same command resumes from the last checkpoint of the unfinished s
 
 import os
 
-from absl import app
 from absl import flags
 from absl import logging
-from ml_collections import config_flags
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/pbsd.py", "Run configuration.")
+from pbsd_jax import cli
+
+_CONFIG = cli.define_config("configs/pbsd.py")
 _WORKDIR = flags.DEFINE_string("workdir", "workdir/run", "Checkpoints, metrics, data.")
 
 
@@ -37,4 +37,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -91,6 +91,12 @@ def test_command_line_overrides_reach_the_algorithm():
     ("--config.rl.epochs=0", "config.rl.epochs"),
     ("--config.rl.chunk_size=-1", "config.rl.chunk_size"),
     ("--config.model.dtype=float8", "config.model.dtype"),
+    ("--config.checkpoint.save_interval_steps=0", "config.checkpoint.save_interval_steps"),
+    ("--config.checkpoint.max_to_keep=0", "config.checkpoint.max_to_keep"),
+    ("--config.rl.max_skipped_steps=-1", "config.rl.max_skipped_steps"),
+    # The retrieval client's settings, whichever retriever is chosen.
+    ("--config.env.timeout_s=0.0", "config.env.timeout_s"),
+    ("--config.env.max_retries=-1", "config.env.max_retries"),
 ])
 def test_bad_values_fail_at_start_up_naming_the_field(override, field):
   with pytest.raises(train.ConfigError, match=field.replace(".", r"\.")):
@@ -112,6 +118,17 @@ def test_http_retriever_settings_fail_at_start_up(override, field):
                 override)
   with pytest.raises(train.ConfigError, match=field.replace(".", r"\.")):
     train.validate(config, num_devices=1)
+
+
+def test_a_mistyped_field_is_named_with_the_nearest_field():
+  from pbsd_jax import cli
+  config = load("pbsd")
+  assert "config.pbsd.delta" in cli.field_paths(config)
+  assert cli.unknown_field_message(config, ["prog", "--config.pbsd.delta=0.2"]) is None
+  assert cli.unknown_field_message(config, ["prog", "--config.pbsd.delt=0.1"]) == (
+      "config.pbsd.delt: the config has no such field; did you mean config.pbsd.delta?")
+  assert cli.unknown_field_message(config, ["prog", "--config.zzz=1"]) == (
+      "config.zzz: the config has no such field")
 
 
 def test_algorithm_sections_hold_the_algorithms_defaults():
