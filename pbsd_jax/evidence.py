@@ -108,8 +108,11 @@ def policy_batch(params: Any, rollout: Any, teacher_prompt: Array, teacher_promp
 
 
 def rollout_metrics(rollout: Any) -> dict:
-  """`accuracy` (mean reward), `mean_turns` and `mean_action_tokens` of a rollout."""
+  """`accuracy` (mean reward), `mean_turns` and `mean_action_tokens` of a rollout, and its
+  `searches` and `failed_searches` (counts over the batch)."""
   mean = lambda x: jnp.mean(x.astype(jnp.float32))
+  total = lambda x: jnp.sum(x.astype(jnp.float32))
   return {"accuracy": mean(rollout.reward), "mean_turns": mean(rollout.num_turns),
-          "mean_action_tokens": mean(rollout.num_action_tokens)}
+          "mean_action_tokens": mean(rollout.num_action_tokens),
+          "searches": total(rollout.searches), "failed_searches": total(rollout.search_failures)}
 

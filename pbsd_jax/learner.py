@@ -24,10 +24,11 @@ from the forward's values, then the objective's gradient is pulled back through 
 result is the update `ppo_update` makes with a separate student pass; PBSD's only extra pass
 is then the teacher forward. (TRL and Tunix do the same for one iteration.)
 
-An update whose loss or gradient is not finite is not applied -- parameters and optimiser
-state stay as they were -- and is counted in `skipped_updates`. The learner never branches on
-an algorithm's name: it reads `algo.needs` and `algo.distillation_beta` (the
-`pbsd_jax.algorithms` protocol). Rematerialisation is the model config's `remat` switch.
+An update whose loss, gradient or resulting parameters are not finite is not applied --
+parameters and optimiser state stay as they were -- and is counted in `skipped_updates`. The
+learner never branches on an algorithm's name: it reads `algo.needs` and
+`algo.distillation_beta` (the `pbsd_jax.algorithms` protocol). Rematerialisation is the model
+config's `remat` switch.
 
 Token layout and padding: DESIGN.md §3 (`pbsd_jax.rollout`); every per-token array is `[B, T]`
 with the column of the token it scores (`likelihood.token_logprobs`).
@@ -202,7 +203,8 @@ def accumulate_gradients(loss_fn: Callable[[Any, Any], tuple[Array, tuple[Array,
 def apply_update(params: Any, opt_state: Any, grads: Any, loss: Array,
                  tx: optax.GradientTransformation, has_tokens: Array | bool = True
                  ) -> tuple[Any, Any, dict]:
-  """One optimiser update, or none when the loss or gradient is not finite.
+  """One optimiser update, or none when the loss, the gradient or the updated parameters are
+  not finite (a finite gradient times a huge learning rate or weight decay can overflow).
 
   A mini-batch without any loss token (`has_tokens` False, e.g. every group dropped by DAPO
   dynamic sampling) is not applied either: AdamW would still move the parameters through its
@@ -214,13 +216,16 @@ def apply_update(params: Any, opt_state: Any, grads: Any, loss: Array,
     applied for want of loss tokens).
   """
   grad_norm = optax.tree.norm(grads)
-  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-  apply = finite & has_tokens
+  finite_grads = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   # Non-finite gradients are zeroed before the optimiser sees them, so no NaN enters its
   # arithmetic; the result is then discarded in favour of the old state.
-  safe = jax.tree.map(lambda g: jnp.where(finite, g, jnp.zeros_like(g)), grads)
+  safe = jax.tree.map(lambda g: jnp.where(finite_grads, g, jnp.zeros_like(g)), grads)
   updates, new_opt_state = tx.update(safe, opt_state, params)
   new_params = optax.apply_updates(params, updates)
+  # Element-wise, not a norm: the norm of large finite parameters can itself overflow.
+  finite = finite_grads & jax.tree.reduce(lambda ok, p: ok & jnp.all(jnp.isfinite(p)),
+                                          new_params, jnp.bool_(True))
+  apply = finite & has_tokens
   keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(apply, n, o), new, old)
   return (keep(new_params, params), keep(new_opt_state, opt_state),
           {"grad_norm": grad_norm, "skipped": 1.0 - finite.astype(jnp.float32),

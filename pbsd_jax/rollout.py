@@ -57,6 +57,7 @@ class Rollout:
     group_ids: `i32[B]` which prompt each row samples (rows of a group are consecutive).
     sample_logp: `f32[B, T]` the sampler's log-probs of action tokens (diagnostics only).
     reward: `f32[B]` outcome reward (exact match of the last answer in action tokens).
+    searches: `i32[B]` search turns (each one retrieval).
     search_failures: `i32[B]` searches whose retrieval failed (host retrievers only).
     prompt_width: P (static).
   """
@@ -72,6 +73,7 @@ class Rollout:
   group_ids: Array
   sample_logp: Array
   reward: Array
+  searches: Array
   search_failures: Array
   prompt_width: int = struct.field(pytree_node=False)
 
@@ -104,6 +106,7 @@ class Episode:
     num_turns: `i32[B]` turns taken so far.
     finished: `bool[B]` ended by an answer or EOS.
     truncated: `bool[B]` ended by max_turns or the context budget.
+    searches: `i32[B]` search turns so far.
     search_failures: `i32[B]` failed retrievals so far.
   """
 
@@ -112,6 +115,7 @@ class Episode:
   num_turns: Array
   finished: Array
   truncated: Array
+  searches: Array
   search_failures: Array
 
   @property
@@ -127,7 +131,8 @@ def _start(sampler: Sampler, env: AgentEnv, params, prompts: Array, prompt_mask:
   zeros = jnp.zeros((b,), jnp.int32)
   return Episode(decode=state, turn_ids=jnp.full(state.tokens.shape, -1, jnp.int32),
                  num_turns=zeros, finished=zeros.astype(bool),
-                 truncated=(state.cursor >= env.buffer_size), search_failures=zeros)
+                 truncated=(state.cursor >= env.buffer_size), searches=zeros,
+                 search_failures=zeros)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -180,6 +185,7 @@ def _observe(sampler: Sampler, env: AgentEnv, params, ep: Episode, kind: Array, 
   out_of_room = live & ((state.cursor >= env.buffer_size) | (search & (budget < 3)))
   last_turn = live & (turn + 1 >= env.max_turns)
   return ep.replace(decode=state, truncated=ep.truncated | out_of_room | last_turn,
+                    searches=ep.searches + (live & search),
                     search_failures=ep.search_failures + (live & search & failed))
 
 
@@ -190,7 +196,8 @@ def _finish(ep: Episode, prompt_mask: Array, group_ids: Array, reward: Array) ->
                  prompt_length=jnp.sum(prompt_mask, axis=1).astype(jnp.int32),
                  finished=ep.finished, truncated=ep.truncated & ~ep.finished,
                  group_ids=group_ids, sample_logp=state.sample_logp, reward=reward,
-                 search_failures=ep.search_failures, prompt_width=prompt_mask.shape[1])
+                 searches=ep.searches, search_failures=ep.search_failures,
+                 prompt_width=prompt_mask.shape[1])
 
 
 def _group_ids(b: int, group_ids: Array | None) -> Array:

@@ -10,6 +10,12 @@ from it. With the in-graph retriever the whole step -- rollout, reward, dual lik
 credit, update -- is one `jax.jit` program (`make_rl_iteration`), with or without frozen
 teacher parameters; with a host or HTTP retriever the rollout is a host turn loop
 (`host_rollout_fn`) followed by the jitted update (`learner.make_rl_step`).
+
+Faults stay visible: each RL step logs its `searches` and `failed_searches`, and with a host
+retriever that counts its calls (`HttpRetriever.metrics`) the step's `retrieval/calls`,
+`retrieval/failed_calls`, `retrieval/retries` and `retrieval/latency_s`; the progress bar
+shows the run's fault totals once non-zero. A run whose every update was skipped as
+non-finite for `rl.max_skipped_steps` steps in a row stops with one line.
 """
 
 from __future__ import annotations
@@ -146,6 +152,30 @@ def make_rl_iteration(sampler: Sampler, env: AgentEnv, model: ModelConfig,
   return jax.jit(step, donate_argnums=0)
 
 
+def retrieval_metrics(before: dict, after: dict) -> dict:
+  """A step's `retrieval/<counter>`: how much each of a retriever's counters grew."""
+  return {f"retrieval/{k}": after[k] - before[k] for k in after}
+
+
+# Metrics that count faults, shown in the progress bar (as run totals) once non-zero.
+_FAULTS = {"failed_searches": "failed_searches", "retrieval/retries": "retries",
+           "skipped_updates": "skipped_updates"}
+
+
+def _show_faults(bar: Any, faults: dict, metrics: dict) -> None:
+  for key, name in _FAULTS.items():
+    if key in metrics and float(metrics[key]):
+      faults[name] = faults.get(name, 0) + int(metrics[key])
+  if faults and hasattr(bar, "set_postfix"):
+    bar.set_postfix(faults)
+
+
+def _none_applied(metrics: dict, plan: learner.UpdatePlan) -> bool:
+  """No update of the step was applied, and at least one was skipped as non-finite."""
+  skipped, empty = float(metrics["skipped_updates"]), float(metrics["empty_updates"])
+  return skipped > 0 and skipped + empty >= plan.epochs * plan.minibatches
+
+
 def rl_stage(config, task: Task, model: ModelConfig, params: Any, workdir: str,
              log: MetricLog, progress: Callable = lambda it, **kw: it,
              on_step: Callable | None = None) -> train_state.TrainState:
@@ -155,6 +185,9 @@ def rl_stage(config, task: Task, model: ModelConfig, params: Any, workdir: str,
   tx = run_config.build_optimizer(config, "rl")
   sampler = run_config.build_sampler(config, model, "rollout")
   plan = run_config.build_plan(config)
+  # A host retriever's own counters (`HttpRetriever.metrics`: calls, retries, latency).
+  counters = (getattr(task.retriever, "metrics", None)
+              if config.env.retriever != "ingraph" else None)
   state = train_state.init_train_state(params, tx, jax.random.key(config.seed + 1))
   teacher_params = jax.tree.map(jnp.copy, params) if algo.distillation_beta is not None else None
   if config.env.retriever == "ingraph":
@@ -171,17 +204,31 @@ def rl_stage(config, task: Task, model: ModelConfig, params: Any, workdir: str,
   with _checkpointer(config, workdir, "ckpt_rl") as ckpt, \
       checkpoint.PreemptionGuard() as guard:
     state = _resume(ckpt, state)
-    for step in progress(range(int(state.step), steps), desc=config.algorithm,
-                         initial=int(state.step), total=steps):
+    bar = progress(range(int(state.step), steps), desc=config.algorithm,
+                   initial=int(state.step), total=steps)
+    faults, skipped_in_a_row = {}, 0
+    for step in bar:
       records, group_ids = rl_prompts(task, config, step)
       batch = rl_batch(task, config, records)
+      before = counters() if counters else {}
       state, rollout, metrics = iteration(state, batch, jnp.asarray(group_ids, jnp.int32),
                                           records)
+      if counters:
+        metrics = {**metrics, **retrieval_metrics(before, counters())}
       log.write("rl", step + 1, metrics)
+      _show_faults(bar, faults, metrics)
       if on_step is not None:
         on_step(step + 1, state, rollout, batch)
       data_state = {"stage": "rl", "step": step + 1}
       ckpt.save(state, data_state, force=step + 1 == steps)
       if guard.save_if_requested(ckpt, state, data_state):
         raise SystemExit("preempted: saved the RL state")
+      skipped_in_a_row = skipped_in_a_row + 1 if _none_applied(metrics, plan) else 0
+      if config.rl.max_skipped_steps and skipped_in_a_row >= config.rl.max_skipped_steps:
+        # A skipped update leaves the parameters as they were: the checkpoints hold the
+        # last parameters a finite update produced.
+        raise SystemExit(
+            f"stopped at RL step {step + 1}: every update of the last {skipped_in_a_row} "
+            "steps was skipped (non-finite loss or gradient); the checkpoints keep the last "
+            "finite parameters (config.rl.max_skipped_steps sets how many steps to allow)")
   return state

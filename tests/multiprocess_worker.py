@@ -86,7 +86,7 @@ def make_rollout(seed: int, batch: int = BATCH):
                     group_ids=np.repeat(np.arange(batch // GROUP_SIZE), GROUP_SIZE).astype(
                         np.int32),
                     sample_logp=np.zeros((batch, LENGTH), np.float32), reward=reward,
-                    search_failures=zeros, prompt_width=PROMPT_WIDTH)
+                    searches=zeros, search_failures=zeros, prompt_width=PROMPT_WIDTH)
   return rollout, teacher, teacher_mask
 
 

@@ -1,11 +1,22 @@
-"""Faults a run must make visible, through real subprocesses of scripts/train.py: config
-errors end the run in one line before anything is read or written."""
+"""Faults a run must make visible: config errors end scripts/train.py in one line before
+anything is read or written; a run whose updates are all skipped stops; failed searches,
+retries and retrieval time reach the step's metrics."""
 
+import json
 import os
 import subprocess
 import sys
+import threading
 
+import jax
+import numpy as np
 import pytest
+
+from pbsd_jax import evidence, train
+from pbsd_jax.env.http import HttpRetriever, RetrievalServer
+from pbsd_jax.rollout import host_rollout
+from test_rollout import _forced, _prompts, setup  # noqa: F401 (setup: a fixture)
+from test_train import SMALL, _final_params
 
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 
@@ -48,3 +59,74 @@ def test_a_value_a_constructor_rejects_is_one_line_before_data_loading(tmp_path,
   assert code != 0
   assert len(lines) == 1 and lines[0].startswith(f"FATAL config error: {field}:"), lines
   assert not os.path.exists(tmp_path / "w")
+
+
+@pytest.fixture(scope="module")
+def diverging(kg, tmp_path_factory):
+  """A run whose learning rate makes every update after the first non-finite."""
+  workdir = str(tmp_path_factory.mktemp("diverging"))
+  code, lines = _train(f"--config={os.path.join(ROOT, 'configs', 'pbsd.py')}",
+                       f"--workdir={workdir}",
+                       f"--config.data.dir={os.path.dirname(kg.paths['spm_model'])}", *SMALL,
+                       "--config.sft.steps=0", "--config.rl.steps=8", "--config.optim.lr=1e30",
+                       "--config.optim.warmup_steps=0", "--config.rl.max_skipped_steps=2",
+                       timeout=300)
+  return workdir, code, lines
+
+
+def test_a_run_whose_updates_are_all_skipped_stops_in_one_line(diverging):
+  workdir, code, lines = diverging
+  assert code != 0
+  rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+  skipped = [r["skipped_updates"] for r in rows]
+  assert skipped[-2:] == [1.0, 1.0] and len(rows) < 8  # stopped at the second in a row
+  assert lines[-1] == (
+      f"stopped at RL step {len(rows)}: every update of the last 2 steps was skipped "
+      "(non-finite loss or gradient); the checkpoints keep the last finite parameters "
+      "(config.rl.max_skipped_steps sets how many steps to allow)")
+
+
+def test_a_stopped_run_keeps_finite_parameters(diverging):
+  workdir, _, _ = diverging
+  _, params = _final_params(workdir)
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
+
+
+class _FailingRequests:
+  """Serves `retriever`, answering the requests numbered in `fail` (0-based) with HTTP 500."""
+
+  def __init__(self, retriever, fail):
+    self.retriever, self.fail, self.requests = retriever, set(fail), 0
+    self._lock = threading.Lock()
+
+  def retrieve(self, queries, k):
+    with self._lock:
+      number, self.requests = self.requests, self.requests + 1
+    if number in self.fail:
+      raise RuntimeError("injected")
+    return self.retriever.retrieve(queries, k)
+
+
+def test_a_steps_metrics_count_the_injected_retrieval_faults(kg, setup):
+  env, sampler, params = setup
+  records = kg.records("sft")[:2]
+  prompts, prompt_mask = _prompts(kg, records)
+  # One search call per turn with a search. Call 1: its first attempt fails, the retry
+  # succeeds; call 2: both attempts fail, so its searches fail.
+  server_side = _FailingRequests(kg.retriever, fail={0, 2, 3})
+  with RetrievalServer(server_side) as server:
+    client = HttpRetriever(server.url, timeout_s=5.0, max_retries=1, backoff_s=0.0)
+    before = client.metrics()
+    rollout = host_rollout(sampler, env, params, prompts, prompt_mask, jax.random.key(0),
+                           client, kg.encode, kg.decode, [r["golden_answers"] for r in records],
+                           None, *_forced(kg, [r["actions"] for r in records]))
+    metrics = {**evidence.rollout_metrics(rollout),
+               **train.retrieval_metrics(before, client.metrics())}
+  searches = [len(r["actions"]) - 1 for r in records]  # the last action answers
+  assert min(searches) >= 1 and max(searches) >= 2
+  assert float(metrics["searches"]) == sum(searches)
+  assert float(metrics["failed_searches"]) == sum(n >= 2 for n in searches)  # turn 2's rows
+  assert metrics["retrieval/calls"] == max(searches)
+  assert metrics["retrieval/failed_calls"] == 1 and metrics["retrieval/retries"] == 2
+  assert metrics["retrieval/attempts"] == server_side.requests == max(searches) + 2
+  assert metrics["retrieval/latency_s"] > 0

@@ -211,6 +211,18 @@ def test_apply_update_skips_a_non_finite_gradient_and_reports_it():
   np.testing.assert_allclose(info["grad_norm"], np.sqrt(2.0), rtol=1e-6)
 
 
+def test_apply_update_skips_an_update_that_overflows_the_parameters():
+  # A zero gradient is finite, but weight decay at lr=1e30 takes 1e10 past float32's range.
+  tx = train_state.make_optimizer(lr=1e30, weight_decay=0.1, warmup_steps=0)
+  params = {"w": jnp.full(2, 1e10)}
+  opt_state = tx.init(params)
+  new_params, new_opt, info = learner.apply_update(params, opt_state, {"w": jnp.zeros(2)},
+                                                   jnp.float32(0.0), tx)
+  assert float(info["skipped"]) == 1.0 and np.isfinite(float(info["grad_norm"]))
+  np.testing.assert_array_equal(new_params["w"], params["w"])
+  assert int(new_opt.count) == 0
+
+
 def test_apply_update_without_loss_tokens_keeps_the_state():
   # AdamW would still move on a zero gradient (weight decay); a batch with nothing to learn
   # from must not.

@@ -79,7 +79,7 @@ def _rollout(rows, prompt_width, width):
                  length=jnp.asarray(length), prompt_length=jnp.asarray(prompt_length),
                  finished=jnp.ones(b, bool), truncated=jnp.zeros(b, bool), group_ids=zeros,
                  sample_logp=jnp.zeros((b, width)), reward=jnp.asarray([1.0, 0.0][:b]),
-                 search_failures=zeros, prompt_width=prompt_width)
+                 searches=zeros, search_failures=zeros, prompt_width=prompt_width)
 
 
 def test_credit_view_gives_hand_computed_evidence_deadband_and_weights():

@@ -12,7 +12,8 @@ with 400 and `{"error": "<what is wrong>"}` (404 for other paths, 500 if the ret
 `HttpRetriever` is a `Retriever` client with a per-request timeout and bounded retries with
 exponential backoff on connection errors, timeouts and 5xx answers. When the service stays down
 it raises `RetrievalError` (never anything else), which the environment turns into an
-observation, and counts the failed call in `metrics()`.
+observation, and counts the failed call in `metrics()` (with the calls, attempts, retries and
+the time spent in calls, so a training loop can log what one step cost).
 """
 
 from __future__ import annotations
@@ -243,16 +244,18 @@ class HttpRetriever:
     self.backoff_s = backoff_s
     self.sleep = sleep
     self._lock = threading.Lock()
-    self._counts = {"calls": 0, "failed_calls": 0, "attempts": 0, "retries": 0}
+    self._counts = {"calls": 0, "failed_calls": 0, "attempts": 0, "retries": 0,
+                    "latency_s": 0.0}
 
-  def metrics(self) -> dict[str, int]:
-    """Counters since construction: calls, failed_calls, attempts, retries."""
+  def metrics(self) -> dict[str, float]:
+    """Counters since construction: calls, failed_calls, attempts, retries, and latency_s
+    (seconds spent in `retrieve`, retries and back-off included)."""
     with self._lock:
       return dict(self._counts)
 
-  def _count(self, name: str) -> None:
+  def _count(self, name: str, amount: float = 1) -> None:
     with self._lock:
-      self._counts[name] += 1
+      self._counts[name] += amount
 
   def _attempt(self, data: bytes) -> Any:
     request = urllib.request.Request(self.url, data=data, method="POST",
@@ -283,6 +286,13 @@ class HttpRetriever:
     if not queries:
       return []
     self._count("calls")
+    start = time.monotonic()
+    try:
+      return self._retrieve(queries, k)
+    finally:
+      self._count("latency_s", time.monotonic() - start)
+
+  def _retrieve(self, queries: Sequence[str], k: int) -> list[list[Document]]:
     data = json.dumps({"queries": list(queries), "topk": k, "return_scores": True}).encode()
     attempts = 1 + self.max_retries
     for i in range(attempts):
