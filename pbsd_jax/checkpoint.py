@@ -1,9 +1,18 @@
 """Checkpoints of a run: the `TrainState` and the data-iterator position, with orbax.
 
-A checkpoint is one step directory under the workdir (orbax `CheckpointManager`) holding three
+A checkpoint is one step directory under the workdir (orbax `CheckpointManager`) holding four
 items: `state` (params, optimiser state, step, PRNG key as raw key data -- tensorstore arrays,
 restored straight into the target shardings), `data_state` (a JSON dict: where the data
-iterator is) and `meta` (JSON: the PRNG implementation, to rebuild the typed key).
+iterator is), `meta` (JSON: the PRNG implementation, to rebuild the typed key) and
+`checksums` (JSON: a checksum of every array of `state`, and the fingerprint of the
+configuration that saved it).
+
+Integrity: `restore_latest` verifies a step's checksums against the restored arrays; a step
+that orbax cannot read (a truncated file, a missing manifest) or whose checksums differ is
+reported in one line and deleted, and the next older step is tried -- a fresh start only when
+no step is good. A checksum is computed on the devices by one jitted reduction over the global
+array (`checksums`), so every process of a multi-host run gets the same replicated scalar
+without gathering arrays to one host.
 
 Atomicity is orbax's: a step is written into `<step>.orbax-checkpoint-tmp-<timestamp>` and
 renamed to `<step>` only once complete (on object stores a `commit_success.txt` marks it). A
@@ -20,9 +29,11 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import Any, Sequence
+import time
+from typing import Any, Callable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -31,6 +42,49 @@ from pbsd_jax.train_state import TrainState
 
 def _key_data(rng):
   return jax.jit(jax.random.key_data)(rng)
+
+
+def _bits(x: jax.Array) -> jax.Array:
+  """`u32[x.shape]`: each element's bit pattern (8-byte elements fold their two halves)."""
+  if x.dtype == jnp.bool_:
+    return x.astype(jnp.uint32)
+  size = jnp.dtype(x.dtype).itemsize
+  if size == 8:
+    halves = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return halves[..., 0] ^ (halves[..., 1] * jnp.uint32(0x9E3779B9))
+  unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[size]
+  return jax.lax.bitcast_convert_type(x, unsigned).astype(jnp.uint32)
+
+
+def _checksum(x: jax.Array) -> jax.Array:
+  """`u32[]`: the sum, mod 2**32, of each element's bits times an odd multiplier of its flat
+  position. An odd multiplier is invertible mod 2**32, so changing any one element always
+  changes the sum. The position comes from iotas in the array's own shape (no reshape), so a
+  sharded array reduces shard by shard."""
+  bits = _bits(x)
+  position = jnp.zeros(x.shape, jnp.uint32)
+  for axis in range(x.ndim):
+    position = position * jnp.uint32(x.shape[axis]) + jax.lax.broadcasted_iota(
+        jnp.uint32, x.shape, axis)
+  return jnp.sum(bits * (position * jnp.uint32(2654435761) * 2 + 1), dtype=jnp.uint32)
+
+
+_checksums = jax.jit(lambda tree: jax.tree.map(_checksum, tree))
+
+
+def checksums(tree: Any) -> dict[str, int]:
+  """`{leaf path: checksum}` of every array leaf of `tree` (replicated on every process)."""
+  sums = jax.device_get(_checksums(tree))
+  return {jax.tree_util.keystr(path): int(v)
+          for path, v in jax.tree_util.tree_flatten_with_path(sums)[0]}
+
+
+class ConfigMismatchError(ValueError):
+  """A checkpoint saved by a run of a different configuration (fingerprints differ)."""
+
+
+class CorruptCheckpointError(ValueError):
+  """A restored array whose checksum differs from the one recorded when it was saved."""
 
 
 def _abstract(leaf):
@@ -51,20 +105,24 @@ class Checkpointer:
     max_to_keep: finished checkpoints kept (oldest deleted first); None keeps all.
     async_save: write in a background thread; `save` returns once the arrays are copied off
       the devices. Call `wait` before reading the files or exiting.
+    fingerprint: identifies the configuration of the run; recorded with every step, and a
+      step recorded with another one is not restored (`ConfigMismatchError`).
   """
 
   def __init__(self, directory: str, *, save_interval_steps: int = 1,
-               max_to_keep: int | None = 3, async_save: bool = True):
+               max_to_keep: int | None = 3, async_save: bool = True, fingerprint: str = ""):
     if save_interval_steps < 1:
       raise ValueError(f"save_interval_steps must be >= 1, got {save_interval_steps}")
     if max_to_keep is not None and max_to_keep < 1:
       raise ValueError(f"max_to_keep must be >= 1 (or None), got {max_to_keep}")
     self.directory = os.path.abspath(directory)
+    self.fingerprint = fingerprint
     options = ocp.CheckpointManagerOptions(
         save_interval_steps=save_interval_steps, max_to_keep=max_to_keep,
         enable_async_checkpointing=async_save, cleanup_tmp_directories=True, create=True)
     self._manager = ocp.CheckpointManager(self.directory, options=options,
-                                          item_names=("state", "data_state", "meta"))
+                                          item_names=("state", "data_state", "meta",
+                                                      "checksums"))
 
   def save(self, state: TrainState, data_state: dict | None = None, *,
            step: int | None = None, force: bool = False) -> bool:
@@ -81,26 +139,34 @@ class Checkpointer:
       already saved (or being saved) -- a step is never rewritten.
     """
     step = int(jax.device_get(state.step)) if step is None else int(step)
-    if step in self._manager.all_steps():
+    if step in self._manager.all_steps() or not (force or self._manager.should_save(step)):
       return False
     tree = state.replace(rng=_key_data(state.rng))
     meta = {"rng_impl": str(jax.random.key_impl(state.rng))}
+    sums = {"fingerprint": self.fingerprint, "arrays": checksums(tree)}
     args = ocp.args.Composite(state=ocp.args.StandardSave(tree),
                               data_state=ocp.args.JsonSave(dict(data_state or {})),
-                              meta=ocp.args.JsonSave(meta))
+                              meta=ocp.args.JsonSave(meta),
+                              checksums=ocp.args.JsonSave(sums))
     return self._manager.save(step, args=args, force=force)
 
-  def restore(self, target: TrainState, step: int | None = None) -> tuple[TrainState, dict]:
-    """The checkpointed `(state, data_state)` of `step` (default: the latest finished one).
+  def restore(self, target: TrainState, step: int | None = None, *,
+              check_fingerprint: bool = True) -> tuple[TrainState, dict]:
+    """The checkpointed `(state, data_state)` of `step` (default: the latest finished one),
+    its checksums verified.
 
     Args:
       target: a `TrainState` of arrays or `jax.ShapeDtypeStruct`s giving the structure,
         shapes, dtypes and shardings to restore into (e.g. a freshly initialised state, or
         `jax.eval_shape` of one with `sharding=` set); the PRNG leaf is a typed key.
       step: which step; None for the latest.
+      check_fingerprint: refuse a step saved with another configuration fingerprint.
 
     Raises:
       FileNotFoundError: no finished checkpoint (or not that step) in the directory.
+      ConfigMismatchError: the step was saved with another fingerprint.
+      CorruptCheckpointError: an array's checksum differs from the recorded one.
+      Exception: whatever orbax raises for files it cannot read.
     """
     step = self.latest_step() if step is None else step
     if step is None or step not in self.all_steps():
@@ -112,18 +178,60 @@ class Checkpointer:
     abstract = abstract.replace(rng=jax.ShapeDtypeStruct(abstract.rng.shape,
                                                          abstract.rng.dtype,
                                                          sharding=rng_sharding))
+    recorded = self._manager.restore(step, args=ocp.args.Composite(
+        checksums=ocp.args.JsonRestore())).checksums
+    if check_fingerprint and recorded["fingerprint"] != self.fingerprint:
+      raise ConfigMismatchError(
+          f"checkpoint {step} in {self.directory} was saved by another configuration "
+          f"(fingerprint {recorded['fingerprint'] or 'none'}, this run {self.fingerprint})")
     restored = self._manager.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract), data_state=ocp.args.JsonRestore(),
         meta=ocp.args.JsonRestore()))
+    got = checksums(restored.state)
+    bad = sorted(k for k in set(got) | set(recorded["arrays"])
+                 if got.get(k) != recorded["arrays"].get(k))
+    if bad:
+      raise CorruptCheckpointError(f"checksum mismatch in {len(bad)} array(s), first {bad[0]}")
     impl = restored.meta["rng_impl"]
     wrap = jax.jit(lambda data: jax.random.wrap_key_data(data, impl=impl),
                    out_shardings=rng_sharding)
     state = restored.state.replace(rng=wrap(restored.state.rng))
     return state, dict(restored.data_state)
 
-  def restore_or_none(self, target: TrainState) -> tuple[TrainState, dict] | None:
-    """`restore(target)` of the latest checkpoint, or None when there is none (a fresh run)."""
-    return None if self.latest_step() is None else self.restore(target)
+  def restore_latest(self, target: TrainState, *, check_fingerprint: bool = True,
+                     report: Callable[[str], None] = print) -> tuple[TrainState, dict] | None:
+    """`restore(target)` of the newest good step, or None when no step is good (a fresh run).
+
+    A step that cannot be read or fails its checksums is reported in one line through
+    `report` and moved to `<directory>/unusable/` (kept for inspection; its step number is
+    then saved anew), and the next older step is tried. A fingerprint mismatch is not
+    corruption: it is raised, not skipped.
+    """
+    steps = self.all_steps()
+    for step in reversed(steps):
+      try:
+        return self.restore(target, step, check_fingerprint=check_fingerprint)
+      except ConfigMismatchError:
+        raise
+      except Exception as err:  # orbax raises many types for unreadable files
+        reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
+        report(f"checkpoint {step} in {self.directory} is unusable "
+               f"({type(err).__name__}: {reason}); trying the previous one")
+        self._set_aside(step)
+    if steps:
+      report(f"no good checkpoint in {self.directory}; starting this stage afresh")
+    return None
+
+  def _set_aside(self, step: int):
+    if jax.process_index() == 0:
+      aside = os.path.join(self.directory, "unusable")
+      os.makedirs(aside, exist_ok=True)
+      os.replace(os.path.join(self.directory, str(step)),
+                 os.path.join(aside, f"{step}-{time.time_ns()}"))
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices(f"checkpoint_set_aside_{step}")
+    self._manager.reload()
 
   def latest_step(self) -> int | None:
     """The newest finished step, or None."""

@@ -1,7 +1,9 @@
 """The run's metric log: per-step scalars to `<workdir>/metrics.jsonl` and TensorBoard.
 
 One JSON object per line, `{"stage": ..., "step": ..., <metric>: <float>, ...}`, appended as
-the run goes (a resumed run appends to the same file); `report.plot_metrics` reads it back.
+the run goes; `report.plot_metrics` reads it back. A resumed stage first drops its rows after
+the restored step (`drop_after`) -- rows written after the last checkpoint by a run that was
+killed -- so the file holds each step once.
 """
 
 from __future__ import annotations
@@ -12,6 +14,16 @@ import os
 import numpy as np
 
 
+def _kept(line: str, stage: str, step: int) -> bool:
+  """Whether a metrics line stays: a row (not the partial line a killed write can leave)
+  that is not of `stage` after `step`."""
+  try:
+    row = json.loads(line)
+  except json.JSONDecodeError:
+    return False
+  return not (row["stage"] == stage and row["step"] > step)
+
+
 class MetricLog:
   """Per-step scalars to `<workdir>/metrics.jsonl` and TensorBoard event files."""
 
@@ -19,6 +31,20 @@ class MetricLog:
     from tensorboardX import SummaryWriter
     self.path = os.path.join(workdir, "metrics.jsonl")
     self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+
+  def drop_after(self, stage: str, step: int):
+    """Removes `stage`'s rows with a step after `step` (the file is replaced atomically)."""
+    if not os.path.exists(self.path):
+      return
+    with open(self.path) as f:
+      lines = f.readlines()
+    keep = [line.rstrip("\n") + "\n" for line in lines if _kept(line, stage, step)]
+    if keep == lines:
+      return
+    tmp = f"{self.path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+      f.writelines(keep)
+    os.replace(tmp, self.path)
 
   def write(self, stage: str, step: int, metrics: dict):
     row = {"stage": stage, "step": int(step),

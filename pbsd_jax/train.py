@@ -29,6 +29,7 @@ import numpy as np
 import optax
 
 from pbsd_jax import checkpoint, learner, run_config, train_state
+from pbsd_jax import workdir as workdir_lib
 from pbsd_jax.env.agent_env import AgentEnv
 from pbsd_jax.metric_log import MetricLog
 from pbsd_jax.models import ModelConfig, init_params
@@ -44,13 +45,21 @@ def _checkpointer(config, workdir: str, name: str) -> checkpoint.Checkpointer:
   c = config.checkpoint
   return checkpoint.Checkpointer(os.path.join(workdir, name),
                                  save_interval_steps=c.save_interval_steps,
-                                 max_to_keep=c.max_to_keep, async_save=c.async_save)
+                                 max_to_keep=c.max_to_keep, async_save=c.async_save,
+                                 fingerprint=workdir_lib.fingerprint(config))
 
 
-def _resume(ckpt: checkpoint.Checkpointer,
-            state: train_state.TrainState) -> train_state.TrainState:
-  restored = ckpt.restore_or_none(state)
-  return state if restored is None else restored[0]
+def _resume(ckpt: checkpoint.Checkpointer, state: train_state.TrainState, log: MetricLog,
+            stage: str, force_resume: bool) -> train_state.TrainState:
+  """The newest good checkpoint's state (or `state` for a fresh start); the stage's metric
+  rows after the restored step are dropped, since the run writes them again."""
+  try:
+    restored = ckpt.restore_latest(state, check_fingerprint=not force_resume)
+  except checkpoint.ConfigMismatchError as err:
+    raise SystemExit(f"{err}; pass --force_resume to resume it anyway") from None
+  state = state if restored is None else restored[0]
+  log.drop_after(stage, int(state.step))
+  return state
 
 
 def initial_params(config, model: ModelConfig) -> Any:
@@ -63,14 +72,16 @@ def initial_params(config, model: ModelConfig) -> Any:
 
 
 def sft_stage(config, task: Task, model: ModelConfig, workdir: str, log: MetricLog,
-              progress: Callable = lambda it, **kw: it) -> train_state.TrainState:
-  """`config.sft.steps` updates of masked NLL on oracle trajectories (resumable)."""
+              progress: Callable = lambda it, **kw: it, force_resume: bool = False
+              ) -> train_state.TrainState:
+  """`config.sft.steps` updates of masked NLL on oracle trajectories (resumable; with
+  `force_resume`, also from checkpoints of another configuration)."""
   steps = config.sft.steps
   tx = run_config.build_optimizer(config, "sft")
   state = train_state.init_train_state(initial_params(config, model), tx,
                                        jax.random.key(config.seed))
   with _checkpointer(config, workdir, "ckpt_sft") as ckpt:
-    state = _resume(ckpt, state)
+    state = _resume(ckpt, state, log, "sft", force_resume)
     if int(state.step) >= steps:
       return state
     records = task.splits["sft"][:config.sft.max_examples or None]
@@ -178,8 +189,10 @@ def _none_applied(metrics: dict, plan: learner.UpdatePlan) -> bool:
 
 def rl_stage(config, task: Task, model: ModelConfig, params: Any, workdir: str,
              log: MetricLog, progress: Callable = lambda it, **kw: it,
-             on_step: Callable | None = None) -> train_state.TrainState:
-  """`config.rl.steps` RL steps of `config.algorithm` starting from `params` (resumable)."""
+             on_step: Callable | None = None, force_resume: bool = False
+             ) -> train_state.TrainState:
+  """`config.rl.steps` RL steps of `config.algorithm` starting from `params` (resumable; with
+  `force_resume`, also from checkpoints of another configuration)."""
   algo = run_config.build_algorithm(config)
   steps = config.rl.steps
   tx = run_config.build_optimizer(config, "rl")
@@ -203,7 +216,7 @@ def rl_stage(config, task: Task, model: ModelConfig, params: Any, workdir: str,
 
   with _checkpointer(config, workdir, "ckpt_rl") as ckpt, \
       checkpoint.PreemptionGuard() as guard:
-    state = _resume(ckpt, state)
+    state = _resume(ckpt, state, log, "rl", force_resume)
     bar = progress(range(int(state.step), steps), desc=config.algorithm,
                    initial=int(state.step), total=steps)
     faults, skipped_in_a_row = {}, 0

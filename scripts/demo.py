@@ -19,6 +19,9 @@ from pbsd_jax import cli
 _CONFIG = cli.define_config(
     os.path.join(os.path.dirname(__file__), "..", "configs", "demo.py"))
 _WORKDIR = flags.DEFINE_string("workdir", "workdir/demo", "Data, checkpoints and the report.")
+_FORCE_RESUME = flags.DEFINE_bool(
+    "force_resume", False, "Resume a workdir made by another configuration (the fields that "
+    "differ are named when it is refused without this flag).")
 
 
 def main(argv):
@@ -28,14 +31,14 @@ def main(argv):
   import tqdm
 
   from pbsd_jax import evaluate, likelihood, policy_checkpoint, privileged, report
-  from pbsd_jax import run_config, task as task_lib, train
+  from pbsd_jax import run_config, task as task_lib, train, workdir as workdir_lib
   from pbsd_jax.metric_log import MetricLog
   from pbsd_jax.sampling import Sampler
 
   start = time.time()
   config, workdir = _CONFIG.value, _WORKDIR.value
   run_config.validate_for_script(config)
-  os.makedirs(workdir, exist_ok=True)
+  workdir_lib.claim_for_script(workdir, config, force=_FORCE_RESUME.value)
   task = task_lib.prepare_task(config, workdir)
   model = run_config.build_model_config(config, task.vocab.vocab_size)
   policy_checkpoint.save_model_config(workdir, model)
@@ -54,7 +57,8 @@ def main(argv):
           f"generated tokens {result['mean_action_tokens']:.1f}", flush=True)
     return result["accuracy"]
 
-  sft_state = train.sft_stage(config, task, model, workdir, log, progress=tqdm.tqdm)
+  sft_state = train.sft_stage(config, task, model, workdir, log, progress=tqdm.tqdm,
+                              force_resume=_FORCE_RESUME.value)
   sft_acc = validation_accuracy(sft_state.params, "sft")
   algo = run_config.build_algorithm(config)
 
@@ -71,7 +75,8 @@ def main(argv):
                        title=f"{algo.name.upper()} turn-level credit")
 
   rl_state = train.rl_stage(config, task, model, sft_state.params, workdir, log,
-                            progress=tqdm.tqdm, on_step=credit_page)
+                            progress=tqdm.tqdm, on_step=credit_page,
+                            force_resume=_FORCE_RESUME.value)
   rl_acc = validation_accuracy(rl_state.params, algo.name)
   plots = report.plot_metrics(log.path, workdir)
   page = " and credit.html" if "logp_teacher" in algo.needs else ""

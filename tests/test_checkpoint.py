@@ -1,4 +1,5 @@
-"""Checkpoints: exact round trip, target shardings, half-written steps, retention, SIGTERM."""
+"""Checkpoints: exact round trip, target shardings, half-written steps, retention, SIGTERM,
+checksums and the fall-back past corrupt steps."""
 
 import os
 import shutil
@@ -12,7 +13,7 @@ import pytest
 
 import multiprocess_worker as mw
 from pbsd_jax import sharding, train_state
-from pbsd_jax.checkpoint import Checkpointer, PreemptionGuard
+from pbsd_jax.checkpoint import Checkpointer, ConfigMismatchError, PreemptionGuard, checksums
 
 DATA_STATE = {"epoch": 1, "position": 17, "seed": 3, "split": "train"}
 
@@ -121,7 +122,7 @@ def test_a_saved_step_is_not_rewritten(tmp_path, state):
 def test_empty_directory_restores_nothing(tmp_path, state):
   with Checkpointer(str(tmp_path)) as ckpt:
     assert ckpt.latest_step() is None
-    assert ckpt.restore_or_none(state) is None
+    assert ckpt.restore_latest(state) is None
     with pytest.raises(FileNotFoundError, match=str(tmp_path)):
       ckpt.restore(state)
 
@@ -144,3 +145,102 @@ def test_bad_settings_name_the_field(tmp_path):
     Checkpointer(str(tmp_path), max_to_keep=0)
   with pytest.raises(ValueError, match="save_interval_steps"):
     Checkpointer(str(tmp_path), save_interval_steps=0)
+
+
+def largest_file(directory):
+  """The largest file under `directory` (an array chunk of orbax's OCDBT store)."""
+  files = [os.path.join(d, f) for d, _, names in os.walk(directory) for f in names]
+  return max(files, key=os.path.getsize)
+
+
+def flip_bytes(path, count=64):
+  """Inverts `count` bytes in the middle of `path`, its size unchanged."""
+  with open(path, "r+b") as f:
+    data = bytearray(f.read())
+    start = len(data) // 2 - count // 2
+    data[start:start + count] = bytes(b ^ 0xFF for b in data[start:start + count])
+    f.seek(0)
+    f.write(data)
+
+
+def truncate(path):
+  with open(path, "r+b") as f:
+    f.truncate(os.path.getsize(path) // 2)
+
+
+def delete_manifest(step_dir):
+  os.remove(os.path.join(step_dir, "state", "manifest.ocdbt"))
+
+
+def test_a_checksum_changes_when_any_one_element_changes():
+  x = jnp.arange(24, dtype=jnp.float32).reshape(2, 3, 4)
+  base = checksums({"x": x})["['x']"]
+  assert checksums({"x": x.at[1, 2, 3].add(1e-6)})["['x']"] != base
+  # Moving values between positions changes it too (the multiplier depends on the position).
+  assert checksums({"x": x.at[0, 0, 1].set(x[0, 0, 2]).at[0, 0, 2].set(x[0, 0, 1])}
+                   )["['x']"] != base
+  assert checksums({"b": jnp.zeros(3, jnp.bfloat16)})["['b']"] == 0
+
+
+def test_a_sharded_array_has_the_checksum_of_its_host_copy(state):
+  tx, mesh = mw.make_tx(), sharding.make_mesh(2, 2, 2)
+  shardings = train_state.train_state_shardings(mw.make_config(), tx, mesh)
+  placed = jax.device_put(state.params, shardings.params)
+  assert checksums(placed) == checksums(jax.device_get(state.params))
+
+
+def _two_steps(directory, state):
+  with Checkpointer(directory, async_save=False) as ckpt:
+    ckpt.save(_at(state, 1), {"position": 1})
+    ckpt.save(_at(state, 2).replace(params=jax.tree.map(lambda p: p + 1, state.params)),
+              {"position": 2})
+
+
+@pytest.mark.parametrize("corrupt", [
+    lambda step_dir: flip_bytes(largest_file(os.path.join(step_dir, "state"))),
+    lambda step_dir: truncate(largest_file(os.path.join(step_dir, "state"))),
+    delete_manifest,
+], ids=["flipped_bytes", "truncated", "deleted_manifest"])
+def test_a_corrupt_latest_step_falls_back_to_the_previous_one(tmp_path, state, corrupt):
+  _two_steps(str(tmp_path), state)
+  corrupt(str(tmp_path / "2"))
+  lines = []
+  with Checkpointer(str(tmp_path)) as ckpt:
+    restored, data_state = ckpt.restore_latest(state, report=lines.append)
+    assert int(restored.step) == 1 and data_state == {"position": 1}
+    _assert_states_equal(restored, _at(state, 1))
+    assert len(lines) == 1 and "checkpoint 2" in lines[0], lines
+    assert ckpt.all_steps() == [1]  # set aside, so step 2 is saved anew
+    assert ckpt.save(_at(state, 2), {"position": 2})
+    ckpt.wait()
+    assert ckpt.restore(state)[1] == {"position": 2}
+  assert len(os.listdir(tmp_path / "unusable")) == 1
+
+
+def test_flipped_bytes_in_an_array_are_caught_by_the_checksum(tmp_path, state):
+  _two_steps(str(tmp_path), state)
+  flip_bytes(largest_file(str(tmp_path / "2" / "state")))
+  lines = []
+  with Checkpointer(str(tmp_path)) as ckpt:
+    ckpt.restore_latest(state, report=lines.append)
+  assert "checksum mismatch" in lines[0], lines
+
+
+def test_no_good_step_is_a_fresh_start_said_in_one_line(tmp_path, state):
+  _two_steps(str(tmp_path), state)
+  for step in ("1", "2"):
+    delete_manifest(str(tmp_path / step))
+  lines = []
+  with Checkpointer(str(tmp_path)) as ckpt:
+    assert ckpt.restore_latest(state, report=lines.append) is None
+  assert len(lines) == 3 and "no good checkpoint" in lines[-1], lines
+
+
+def test_a_step_of_another_configuration_is_refused(tmp_path, state):
+  with Checkpointer(str(tmp_path), fingerprint="aaa") as ckpt:
+    ckpt.save(state, DATA_STATE)
+  with Checkpointer(str(tmp_path), fingerprint="bbb") as ckpt:
+    with pytest.raises(ConfigMismatchError, match="another configuration"):
+      ckpt.restore_latest(state)
+    restored, _ = ckpt.restore_latest(state, check_fingerprint=False)
+  _assert_states_equal(restored, state)

@@ -88,6 +88,9 @@ def test_a_killed_run_resumes_to_exactly_the_same_parameters(kg, uninterrupted, 
   step, resumed = _final_params(workdir)
   want_step, want = _final_params(uninterrupted)
   assert step == want_step == 3
+  # The rows the killed run wrote after its last checkpoint are not there twice.
+  assert [(r["stage"], r["step"]) for r in _metrics(workdir)] == [
+      (r["stage"], r["step"]) for r in _metrics(uninterrupted)]
   import jax
   for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(want)):
     np.testing.assert_array_equal(a, b)
