@@ -178,6 +178,12 @@ class Checkpointer:
     abstract = abstract.replace(rng=jax.ShapeDtypeStruct(abstract.rng.shape,
                                                          abstract.rng.dtype,
                                                          sharding=rng_sharding))
+    # Checked here because orbax, missing them, leaves tensorstore callbacks that print
+    # tracebacks into its closed event loop.
+    state_dir = os.path.join(self.directory, str(step), "state")
+    for name in ("manifest.ocdbt", "_METADATA"):
+      if not os.path.exists(os.path.join(state_dir, name)):
+        raise FileNotFoundError(f"{os.path.join(state_dir, name)} is missing")
     recorded = self._manager.restore(step, args=ocp.args.Composite(
         checksums=ocp.args.JsonRestore())).checksums
     if check_fingerprint and recorded["fingerprint"] != self.fingerprint:
@@ -249,6 +255,12 @@ class Checkpointer:
 
   def close(self):
     """Waits for pending saves and releases the manager's resources."""
+    # The manager removes stale temporary directories in a thread started at construction,
+    # which its `close` does not join: without this wait, deleting the directory right after
+    # (a scratch checkpointer) makes that thread log a traceback.
+    await_cleanup = getattr(self._manager, "_maybe_await_cleanup_tmp_directory", None)
+    if await_cleanup is not None:
+      await_cleanup()
     self._manager.close()
 
   def __enter__(self) -> "Checkpointer":

@@ -157,6 +157,7 @@ def test_a_corrupt_latest_checkpoint_resumes_to_the_uninterrupted_parameters(
   assert code == 0, out[-3000:]
   warnings = [line for line in out.splitlines() if "is unusable" in line]
   assert len(warnings) == 1 and "checkpoint 3 in" in warnings[0], out[-3000:]
+  assert "Event loop is closed" not in out and "is missing" not in out.replace(warnings[0], "")
   step, resumed = _final_params(workdir)
   assert step == 3
   _assert_trees_equal(resumed, want)
