@@ -9,9 +9,8 @@ configuration that saved it).
 
 Integrity: `restore_latest` verifies a step's checksums against the restored arrays; a step
 that orbax cannot read (a truncated file, a missing manifest) or whose checksums differ is
-reported in one line and set aside (`<directory>/unusable/`), and the next older step is tried -- a
-fresh start only when
-no step is good. A checksum is computed on the devices by one jitted reduction over the global
+reported in one line and set aside (`<directory>/unusable/`), and the next older step is
+tried -- a fresh start only when no step is good. A checksum is computed on the devices by one jitted reduction over the global
 array (`checksums`), so every process of a multi-host run gets the same replicated scalar
 without gathering arrays to one host.
 
