@@ -10,9 +10,9 @@ configuration that saved it).
 Integrity: `restore_latest` verifies a step's checksums against the restored arrays; a step
 that orbax cannot read (a truncated file, a missing manifest) or whose checksums differ is
 reported in one line and set aside (`<directory>/unusable/`), and the next older step is
-tried -- a fresh start only when no step is good. A checksum is computed on the devices by one jitted reduction over the global
-array (`checksums`), so every process of a multi-host run gets the same replicated scalar
-without gathering arrays to one host.
+tried -- a fresh start only when no step is good. A checksum is computed on the devices by
+one jitted reduction over the global array (`checksums`), so every process of a multi-host
+run gets the same replicated scalar without gathering arrays to one host.
 
 Atomicity is orbax's: a step is written into `<step>.orbax-checkpoint-tmp-<timestamp>` and
 renamed to `<step>` only once complete (on object stores a `commit_success.txt` marks it). A
