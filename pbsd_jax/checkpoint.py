@@ -95,6 +95,14 @@ def _abstract(leaf):
   return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
 
 
+def check_options(save_interval_steps: int, max_to_keep: int | None) -> None:
+  """Raises a `ValueError` naming the `Checkpointer` option that cannot run."""
+  if save_interval_steps < 1:
+    raise ValueError(f"save_interval_steps must be >= 1, got {save_interval_steps}")
+  if max_to_keep is not None and max_to_keep < 1:
+    raise ValueError(f"max_to_keep must be >= 1 (or None), got {max_to_keep}")
+
+
 class Checkpointer:
   """Saves and restores `(TrainState, data_state)` in a workdir.
 
@@ -111,10 +119,7 @@ class Checkpointer:
 
   def __init__(self, directory: str, *, save_interval_steps: int = 1,
                max_to_keep: int | None = 3, async_save: bool = True, fingerprint: str = ""):
-    if save_interval_steps < 1:
-      raise ValueError(f"save_interval_steps must be >= 1, got {save_interval_steps}")
-    if max_to_keep is not None and max_to_keep < 1:
-      raise ValueError(f"max_to_keep must be >= 1 (or None), got {max_to_keep}")
+    check_options(save_interval_steps, max_to_keep)
     self.directory = os.path.abspath(directory)
     self.fingerprint = fingerprint
     options = ocp.CheckpointManagerOptions(

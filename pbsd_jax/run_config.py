@@ -2,13 +2,12 @@
 
 With `pbsd_jax.train` (the loop) and `pbsd_jax.task` (data and environment), the only library
 modules that read a `ml_collections` ConfigDict (configs/ holds the files); everything they
-build takes plain values. `validate`
-runs at start-up, before data is read or anything compiles: it builds the objects the run will
-build -- algorithm, model config, environment, retrieval client, samplers, optimisers, update
-plan, mesh, checkpointer -- so
-their constructors are the one place each rule is written, and turns the first `ValueError`
-into a `ConfigError` naming the offending `config.<field>` in one line. What only the config
-knows (section choices, cross-section sizes) is checked here.
+build takes plain values. `validate` runs at start-up, before data is read or anything
+compiles: it builds the objects the run will build -- algorithm, model config, environment,
+retrieval client, samplers, optimisers, update plan, mesh shape -- and runs the checkpointer's
+option checks, so the constructors are the one place each rule is written, and turns the first
+`ValueError` into a `ConfigError` naming the offending `config.<field>` in one line. What only
+the config knows (section choices, cross-section sizes) is checked here.
 """
 
 from __future__ import annotations
@@ -213,16 +212,12 @@ def validate(config, num_devices: int | None = None) -> None:
 
 
 def validate_checkpointer(config) -> None:
-  """Builds the `checkpoint` section's `Checkpointer` in a scratch directory (the run's own
-  directories are made only once the run starts)."""
-  import tempfile
+  """The `checkpoint` section against the `Checkpointer`'s own option checks."""
   from pbsd_jax import checkpoint
   c = config.checkpoint
   fields = {f: f"checkpoint.{f}" for f in ("save_interval_steps", "max_to_keep")}
-  with naming_fields(fields, "checkpoint"), tempfile.TemporaryDirectory() as scratch:
-    with checkpoint.Checkpointer(scratch, save_interval_steps=c.save_interval_steps,
-                                 max_to_keep=c.max_to_keep, async_save=False):
-      pass
+  with naming_fields(fields, "checkpoint"):
+    checkpoint.check_options(c.save_interval_steps, c.max_to_keep)
 
 
 def validate_for_script(config) -> None:
