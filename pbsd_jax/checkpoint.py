@@ -262,7 +262,7 @@ class Checkpointer:
     """Waits for pending saves and releases the manager's resources."""
     # The manager removes stale temporary directories in a thread started at construction,
     # which its `close` does not join: without this wait, deleting the directory right after
-    # (a scratch checkpointer) makes that thread log a traceback.
+    # (a short-lived checkpointer in a temporary directory) makes that thread log a traceback.
     await_cleanup = getattr(self._manager, "_maybe_await_cleanup_tmp_directory", None)
     if await_cleanup is not None:
       await_cleanup()
