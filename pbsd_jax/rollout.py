@@ -247,10 +247,28 @@ def ingraph_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array,
   return _finish(ep, prompt_mask, _group_ids(prompts.shape[0], group_ids), reward)
 
 
-def _host_retrieve(retriever: Any, queries: list[list[int]], k: int,
+def _document_tokens(doc: Document, encode: Callable[[str], list[int]], limit: int
+                     ) -> list[int]:
+  """The first `limit` tokens of `doc`'s observation text, without encoding all of a long one.
+
+  Only `limit` tokens of a document can be shown, so a prefix of the text is encoded, doubled
+  until it gives more than `limit` tokens (the token at the cut, which a longer text could
+  merge differently, is never kept) or is the whole text.
+  """
+  text = observations.format_document(doc)
+  chars = 16 * limit
+  while True:
+    tokens = encode(text[:chars])
+    if len(tokens) > limit or chars >= len(text):
+      return tokens[:limit]
+    chars *= 2
+
+
+def _host_retrieve(retriever: Any, queries: list[list[int]], k: int, limit: int,
                    encode: Callable[[str], list[int]], decode: Callable[[Sequence[int]], str]
                    ) -> tuple[list[list[list[int]]], bool]:
-  """Documents' observation tokens per query, and whether retrieval failed."""
+  """Documents' observation tokens per query (at most `limit` each), and whether retrieval
+  failed."""
   try:
     if hasattr(retriever, "retrieve_ids"):
       results = retriever.retrieve_ids(queries, k)
@@ -258,12 +276,13 @@ def _host_retrieve(retriever: Any, queries: list[list[int]], k: int,
       results = retriever.retrieve([decode(q) for q in queries], k)
   except RetrievalError as err:
     notice = Document(id="", contents=f"Search failed: {err.reason}.", score=0.0)
-    return [[encode(observations.format_document(notice))] for _ in queries], True
-  return [[encode(observations.format_document(d)) for d in docs] for docs in results], False
+    return [[_document_tokens(notice, encode, limit)] for _ in queries], True
+  return [[_document_tokens(d, encode, limit) for d in docs] for docs in results], False
 
 
-def _pad_docs(docs: list[list[list[int]]], k: int) -> tuple[np.ndarray, np.ndarray]:
-  width = max([1] + [len(d) for row in docs for d in row])
+def _pad_docs(docs: list[list[list[int]]], k: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+  """`(tokens i32[B, k, width], lengths i32[B, k])`; one width for every turn, so the
+  observation program compiles once."""
   tokens = np.full((len(docs), k, width), -1, np.int32)
   lengths = np.zeros((len(docs), k), np.int32)
   for b, row in enumerate(docs):
@@ -282,12 +301,14 @@ def host_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array, prompt
 
   Queries go to `retriever.retrieve_ids` when it has one (token-level, e.g. a
   `TokenBM25Retriever`), else to `retrieve` as decoded text. A `RetrievalError` becomes a
-  failure observation and is counted in `Rollout.search_failures`; the episode goes on. The
-  reward is text-level: SQuAD exact match of the last `<answer>` in the decoded action tokens.
+  failure observation and is counted in `Rollout.search_failures`; the episode goes on. A
+  document is encoded only as far as an observation can show it (`max_observation_tokens - 2`
+  tokens), so a 10 MB document costs what a short one does. The reward is text-level: SQuAD exact match of the last `<answer>` in the decoded action tokens.
   Arguments as in `ingraph_rollout`, plus `encode`/`decode` (the policy's tokenizer) and the
   gold answers as strings.
   """
   ep = _start(sampler, env, params, prompts, prompt_mask)
+  doc_limit = env.max_observation_tokens - 2  # the most document tokens an observation shows
   for turn in range(env.max_turns):
     if bool(jnp.all(ep.done)):
       break
@@ -300,10 +321,11 @@ def host_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array, prompt
     failed = np.zeros(kind_np.shape, bool)
     if searching.size:
       got, fail = _host_retrieve(retriever, [[int(t) for t in query_np[i] if t >= 0]
-                                             for i in searching], env.top_k, encode, decode)
+                                             for i in searching], env.top_k, doc_limit,
+                                 encode, decode)
       for i, row in zip(searching, got):
         docs[i], failed[i] = row, fail
-    doc_tokens, doc_lengths = _pad_docs(docs, env.top_k)
+    doc_tokens, doc_lengths = _pad_docs(docs, env.top_k, doc_limit)
     ep = _observe(sampler, env, params, ep, kind, jnp.int32(turn), doc_tokens, doc_lengths,
                   failed)
   tokens = np.asarray(ep.decode.tokens)

@@ -18,6 +18,7 @@ the time spent in calls, so a training loop can log what one step cost).
 
 from __future__ import annotations
 
+import http.client
 import http.server
 import json
 import socket
@@ -214,8 +215,8 @@ class HttpRetriever:
   """`Retriever` client of a Search-R1 retrieval server, with timeouts and bounded retries.
 
   A call makes at most `1 + max_retries` attempts; before retry `i` (0-based) it sleeps
-  `backoff_s * 2**i`. Retried: connection errors, timeouts, 5xx. Not retried (a retry cannot
-  help): 4xx and malformed responses. A call that fails raises `RetrievalError` whose reason
+  `backoff_s * 2**i`. Retried: connection errors (a response cut short included), timeouts,
+  5xx. Not retried (a retry cannot help): 4xx and malformed responses. A call that fails raises `RetrievalError` whose reason
   starts with "retrieval service unavailable" (retryable failures) or names the bad answer.
   """
 
@@ -273,7 +274,8 @@ class HttpRetriever:
       raise _Retryable(str(e.reason)) from None
     except (socket.timeout, TimeoutError):
       raise _Retryable(f"timed out after {self.timeout_s}s") from None
-    except (ConnectionError, OSError) as e:
+    except (ConnectionError, OSError, http.client.HTTPException) as e:
+      # HTTPException: e.g. IncompleteRead, the server closed the connection mid-response.
       raise _Retryable(f"{type(e).__name__}: {e}") from None
     try:
       return json.loads(body)
