@@ -27,9 +27,12 @@ step runs.
 
 from __future__ import annotations
 
+import gc
 import os
+import sys
 import signal
 import time
+import warnings
 from typing import Any, Callable, Sequence
 
 import jax
@@ -77,6 +80,34 @@ def checksums(tree: Any) -> dict[str, int]:
   sums = jax.device_get(_checksums(tree))
   return {jax.tree_util.keystr(path): int(v)
           for path, v in jax.tree_util.tree_flatten_with_path(sums)[0]}
+
+
+def _is_abandoned_read(unraisable) -> bool:
+  """An error report from a read that a failed restore abandoned: orbax's reader coroutine
+  collected unfinished, or a tensorstore callback finding orbax's event loop closed."""
+  code = getattr(unraisable.object, "cr_code", None)
+  return ((code is not None and "orbax" in code.co_filename)
+          or (isinstance(unraisable.exc_value, RuntimeError)
+              and str(unraisable.exc_value) == "Event loop is closed"))
+
+
+def _quiet_abandoned_reads() -> None:
+  """Drops, for the rest of the process, the tracebacks of reads a failed restore abandoned
+  (they come from other threads, at any later time; `restore_latest`'s one line already says
+  the step is unusable); every other unraisable error is reported as before."""
+  previous = sys.unraisablehook
+  if getattr(previous, "quiets_abandoned_reads", False):
+    return
+
+  def hook(unraisable):
+    if not _is_abandoned_read(unraisable):
+      previous(unraisable)
+
+  hook.quiets_abandoned_reads = True
+  sys.unraisablehook = hook
+  warnings.filterwarnings("ignore", "coroutine '_read_array_index_and_device_put' was never "
+                          "awaited", RuntimeWarning)
+  gc.collect()  # the coroutines of this restore, now
 
 
 class ConfigMismatchError(ValueError):
@@ -228,6 +259,8 @@ class Checkpointer:
         reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else ""
         report(f"checkpoint {step} in {self.directory} is unusable "
                f"({type(err).__name__}: {reason}); trying the previous one")
+        del err
+        _quiet_abandoned_reads()
         self._set_aside(step)
     if steps:
       report(f"no good checkpoint in {self.directory}; starting this stage afresh")
