@@ -3,6 +3,11 @@
 `define_config` defines the flag and `run` starts the script. A config file that does not
 exist, or an override of a field the config does not have, ends the script with one line
 (naming the nearest field of the config for a typo) instead of ml_collections' traceback.
+
+`define_distributed` adds the multi-host flags and `initialize_distributed` joins the job
+(`jax.distributed.initialize`) before anything touches a device: with `--coordinator_address`,
+`--num_processes` and `--process_id`, or with nothing on a TPU pod or in a SLURM job of
+several tasks, whose environment JAX reads itself.
 """
 
 from __future__ import annotations
@@ -32,6 +37,44 @@ def define_config(default: str, help_string: str = "Run configuration."):
                                          f"{help_string} (default: {default!r})")
 
 
+def define_distributed() -> dict:
+  """Defines the multi-host flags; returns their FlagHolders by name."""
+  return {
+      "coordinator_address": flags.DEFINE_string(
+          "coordinator_address", None, "host:port of process 0 in a multi-process run "
+          "(default: what a TPU pod or SLURM job provides)."),
+      "num_processes": flags.DEFINE_integer("num_processes", None,
+                                            "Processes in a multi-process run."),
+      "process_id": flags.DEFINE_integer("process_id", None, "This process's index (0 .. "
+                                         "num_processes - 1)."),
+  }
+
+
+# Environment variables that say this process is one of several JAX can join by itself.
+_CLUSTERS = {"SLURM_NTASKS": "SLURM", "TPU_WORKER_HOSTNAMES": "a TPU pod",
+             "OMPI_COMM_WORLD_SIZE": "Open MPI"}
+
+
+def _cluster_size(name: str, value: str) -> int:
+  return len(value.split(",")) if name == "TPU_WORKER_HOSTNAMES" else int(value or 1)
+
+
+def initialize_distributed(holders: dict) -> None:
+  """Joins the multi-process job the flags (or the cluster's environment) describe; a single
+  process does nothing. CPU processes talk over gloo."""
+  given = {name: holder.value for name, holder in holders.items() if holder.value is not None}
+  clustered = any(_cluster_size(k, os.environ[k]) > 1 for k in _CLUSTERS if k in os.environ)
+  if not given and not clustered:
+    return
+  if given and len(given) != len(holders):
+    missing = sorted(set(holders) - set(given))
+    raise SystemExit(f"FATAL Flags parsing error: a multi-process run needs "
+                     f"--{' and --'.join(sorted(holders))}; missing --{', --'.join(missing)}")
+  import jax
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(**given)
+
+
 def field_paths(config, prefix: str = "config") -> list[str]:
   """Every leaf field of a ConfigDict as `config.<section>.<field>`."""
   paths = []
@@ -50,7 +93,7 @@ def _config_path(argv: list[str]) -> str | None:
   return None
 
 
-def _load(path: str):
+def load_config_file(path: str):
   """`get_config()` of the config file `path` (`file.py[:argument]`)."""
   file, *args = path.split(":", 1)
   spec = importlib.util.spec_from_file_location("config_for_field_names", file)
@@ -93,7 +136,7 @@ def parse_flags(argv: list[str]) -> list[str]:
   try:
     return app.parse_flags_with_usage(argv)
   except (KeyError, AttributeError):
-    message = unknown_field_message(_load(path), argv) if path is not None else None
+    message = unknown_field_message(load_config_file(path), argv) if path is not None else None
     if message is None:
       raise
     _usage_error(message)

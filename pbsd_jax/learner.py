@@ -470,7 +470,9 @@ def rl_step(state: TrainState, rollout: Any, teacher_prompt: Array, teacher_prom
   return state, {**rollout_metrics(rollout), **metrics}
 
 
-def _micro_sharding(mesh: Mesh, rules) -> NamedSharding:
+def micro_batch_sharding(mesh: Mesh, rules=sharding.RULES) -> NamedSharding:
+  """The sharding of a `[n_micro, micro, ...]` block of micro-batches: rows over the data
+  axes."""
   rows = sharding.batch_sharding(mesh, rules).spec[0]
   return NamedSharding(mesh, PartitionSpec(None, rows))
 
@@ -486,7 +488,7 @@ def make_sft_step(config: ModelConfig, tx: optax.GradientTransformation,
   fn = functools.partial(sft_step, config=config, tx=tx, plan=plan)
   if mesh is None:
     return jax.jit(fn, donate_argnums=0)
-  fn = functools.partial(fn, micro_sharding=_micro_sharding(mesh, rules))
+  fn = functools.partial(fn, micro_sharding=micro_batch_sharding(mesh, rules))
   state_sh, data = train_state_shardings(config, tx, mesh, rules), sharding.batch_sharding(
       mesh, rules)
   return jax.jit(fn, in_shardings=(state_sh, data, data, data),
@@ -512,7 +514,7 @@ def make_rl_step(config: ModelConfig, tx: optax.GradientTransformation, algo: An
     with_teacher = jax.jit(fn, donate_argnums=0)
     without = jax.jit(lambda s, r, tp, tm: fn(s, r, tp, tm), donate_argnums=0)
   else:
-    fn = functools.partial(fn, micro_sharding=_micro_sharding(mesh, rules))
+    fn = functools.partial(fn, micro_sharding=micro_batch_sharding(mesh, rules))
     state_sh = train_state_shardings(config, tx, mesh, rules)
     data, out = sharding.batch_sharding(mesh, rules), (state_sh, sharding.replicated(mesh))
     with_teacher = jax.jit(fn, in_shardings=(state_sh, data, data, data, state_sh.params),

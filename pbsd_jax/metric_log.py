@@ -3,7 +3,8 @@
 One JSON object per line, `{"stage": ..., "step": ..., <metric>: <float>, ...}`, appended as
 the run goes; `report.plot_metrics` reads it back. A resumed stage first drops its rows after
 the restored step (`drop_after`) -- rows written after the last checkpoint by a run that was
-killed -- so the file holds each step once.
+killed -- so the file holds each step once. In a multi-process run only process 0 writes
+(every process computes the same replicated metrics).
 """
 
 from __future__ import annotations
@@ -28,13 +29,15 @@ class MetricLog:
   """Per-step scalars to `<workdir>/metrics.jsonl` and TensorBoard event files."""
 
   def __init__(self, workdir: str):
+    import jax
     from tensorboardX import SummaryWriter
     self.path = os.path.join(workdir, "metrics.jsonl")
-    self._tb = SummaryWriter(os.path.join(workdir, "tensorboard"))
+    self.writes = jax.process_index() == 0
+    self._tb = SummaryWriter(os.path.join(workdir, "tensorboard")) if self.writes else None
 
   def drop_after(self, stage: str, step: int):
     """Removes `stage`'s rows with a step after `step` (the file is replaced atomically)."""
-    if not os.path.exists(self.path):
+    if not self.writes or not os.path.exists(self.path):
       return
     with open(self.path) as f:
       lines = f.readlines()
@@ -49,6 +52,8 @@ class MetricLog:
   def write(self, stage: str, step: int, metrics: dict):
     row = {"stage": stage, "step": int(step),
            **{k: float(np.asarray(v)) for k, v in metrics.items()}}
+    if not self.writes:
+      return
     with open(self.path, "a") as f:
       f.write(json.dumps(row) + "\n")
     for k, v in row.items():

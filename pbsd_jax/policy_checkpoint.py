@@ -59,13 +59,15 @@ def params_path(directory: str, step: int | None = None) -> tuple[str, int | Non
 
 
 def restore_params(directory: str, step: int | None = None,
-                   sharding: jax.sharding.Sharding | None = None) -> tuple[Any, int | None]:
+                   sharding: Any = None) -> tuple[Any, int | None]:
   """The params of a checkpoint (either layout), and the step they come from.
 
   Args:
     directory: a `Checkpointer` directory or a `convert_hf.py` output directory.
     step: which `Checkpointer` step (default: the latest finished one).
-    sharding: where every parameter goes (default: the first local device).
+    sharding: where the parameters go: one `Sharding` for all, or a tree of them like the
+      params (e.g. `sharding.param_shardings` of a mesh: each array is read straight into
+      its shards); default: the first local device.
 
   Returns:
     `(params, step)`; step is None for a `convert_hf.py` directory.
@@ -78,8 +80,11 @@ def restore_params(directory: str, step: int | None = None,
   tree = getattr(metadata, "tree", metadata)
   if "params" not in tree:
     raise ValueError(f"{path} holds no 'params' (items: {sorted(tree)})")
+  if isinstance(sharding, jax.sharding.Sharding):
+    sharding = jax.tree.map(lambda _: sharding, tree["params"])
   target = {"params": jax.tree.map(
-      lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding), tree["params"])}
+      lambda m, s: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=s), tree["params"],
+      sharding)}
   restored = ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(
       item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
       partial_restore=True))

@@ -17,12 +17,13 @@ import re
 from typing import Any
 
 import jax
+from jax.sharding import Mesh
 
 from pbsd_jax import algorithms, learner, sharding, train_state
 from pbsd_jax.env import protocol
 from pbsd_jax.env.agent_env import AgentEnv
 from pbsd_jax.env.http import HttpRetriever
-from pbsd_jax.models import ModelConfig
+from pbsd_jax.models import ModelConfig, param_shapes
 from pbsd_jax.models.sizes import SIZES
 from pbsd_jax.sampling import Sampler
 
@@ -156,6 +157,37 @@ def build_sampler(config, model: ModelConfig, section: str = "rollout") -> Sampl
     return Sampler(model, temperature=c.temperature, top_p=c.top_p, top_k=c.get("top_k", 0))
 
 
+def build_mesh(config, devices=None) -> Mesh:
+  """The run's `('data', 'fsdp', 'tensor')` mesh from `config.mesh` over `devices` (default:
+  every device of every process)."""
+  with naming_fields({}, "mesh"):
+    return sharding.make_mesh(config.mesh.data, config.mesh.fsdp, config.mesh.tensor,
+                              devices=devices)
+
+
+def mesh_for_script(config, model: ModelConfig) -> Mesh:
+  """The run's mesh at a script's start, checked by `check_param_sharding`."""
+  mesh = build_mesh(config)
+  check_param_sharding(model, mesh)
+  return mesh
+
+
+def check_param_sharding(model: ModelConfig, mesh: Mesh) -> None:
+  """A mesh that would leave `model`'s parameters replicated
+  (`sharding.assert_params_sufficiently_sharded`) ends the script with one line naming
+  `config.mesh`, before anything is allocated or compiled."""
+  abstract = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                          param_shapes(model), sharding.param_shardings(model, mesh))
+  try:
+    sharding.assert_params_sufficiently_sharded(abstract, mesh)
+  except ValueError as err:
+    raise SystemExit(f"FATAL config error: config.mesh ({_describe_mesh(mesh)}): {err}") from None
+
+
+def _describe_mesh(mesh: Mesh) -> str:
+  return ", ".join(f"{name}={size}" for name, size in mesh.shape.items())
+
+
 def validate(config, num_devices: int | None = None) -> None:
   """Checks everything that can be checked before data is read or anything compiles.
 
@@ -169,6 +201,9 @@ def validate(config, num_devices: int | None = None) -> None:
           f"must be one of {sorted(protocol.PROMPT_TEMPLATES)}")
   if config.env.retriever not in RETRIEVERS:
     _fail("env.retriever", config.env.retriever, f"must be one of {RETRIEVERS}")
+  if config.env.retriever != "ingraph" and jax.process_count() > 1:
+    _fail("env.retriever", config.env.retriever, "must be 'ingraph' in a multi-process run "
+          "(a host retriever's turn loop reads every row of the batch on one host)")
   # The client's settings are checked whatever the retriever: a value no retriever can run
   # with is a mistake even while another retriever is chosen (its URL only when it is used).
   with naming_fields({"url": "env.url", "timeout_s": "env.timeout_s",
@@ -204,6 +239,10 @@ def validate(config, num_devices: int | None = None) -> None:
   with naming_fields({"minibatches": "rl.minibatches", "micro_batch_size": "rl.micro_batch_size",
                       "data-parallel": rows}, "rl"):
     build_plan(config).micro_batches(batch, mesh["data"] * mesh["fsdp"])
+  if config.sft.steps and config.sft.batch_size % (mesh["data"] * mesh["fsdp"]):
+    _fail("sft.batch_size", config.sft.batch_size,
+          f"does not split over the {mesh['data'] * mesh['fsdp']} data-parallel devices of "
+          f"the mesh (mesh.data * mesh.fsdp)")
   if any(k < 1 for k in config.eval.pass_k):
     _fail("eval.pass_k", config.eval.pass_k, "every k must be >= 1")
   if config.rl.max_skipped_steps < 0:

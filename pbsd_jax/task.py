@@ -93,19 +93,24 @@ def prepare_task(config, workdir: str) -> Task:
   return Task(vocab, env, retriever, token_retriever.index, splits)
 
 
-def load_policy(config, ckpt_dir: str, step: int | None, workdir: str
+def load_policy(config, ckpt_dir: str, step: int | None, workdir: str, mesh: Any = None
                 ) -> tuple[Task, ModelConfig, Any, int | None]:
   """The task and a checkpoint's policy, for evaluation: `(task, model, params, step)`.
 
   A missing checkpoint fails before any data is read. The model config is the checkpoint's
-  `model_config.json` when there is one, else `config.model`.
+  `model_config.json` when there is one, else `config.model`. With a `mesh`, the params are
+  read straight into their shardings on it (after `run_config.check_param_sharding`).
   """
-  from pbsd_jax import policy_checkpoint
+  from pbsd_jax import policy_checkpoint, sharding
   policy_checkpoint.params_path(ckpt_dir, step)
   task = prepare_task(config, workdir)
   model = (policy_checkpoint.find_model_config(ckpt_dir)
            or run_config.build_model_config(config, task.vocab.vocab_size))
-  params, step = policy_checkpoint.restore_params(ckpt_dir, step)
+  shardings = None
+  if mesh is not None:
+    run_config.check_param_sharding(model, mesh)
+    shardings = sharding.param_shardings(model, mesh)
+  params, step = policy_checkpoint.restore_params(ckpt_dir, step, sharding=shardings)
   return task, model, params, step
 
 

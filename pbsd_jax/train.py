@@ -27,8 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import Mesh
 
-from pbsd_jax import checkpoint, learner, run_config, train_state
+from pbsd_jax import checkpoint, learner, run_config, sharding, train_state
 from pbsd_jax import workdir as workdir_lib
 from pbsd_jax.env.agent_env import AgentEnv
 from pbsd_jax.metric_log import MetricLog
@@ -62,24 +63,33 @@ def _resume(ckpt: checkpoint.Checkpointer, state: train_state.TrainState, log: M
   return state
 
 
-def initial_params(config, model: ModelConfig) -> Any:
-  """The run's starting parameters: `config.model.init_dir`'s, or a seeded random init."""
+def initial_params(config, model: ModelConfig, mesh: Mesh) -> Any:
+  """The run's starting parameters, created in their shardings on `mesh` (never whole on one
+  device): `config.model.init_dir`'s, or a seeded random init."""
+  shardings = sharding.param_shardings(model, mesh)
   if config.model.init_dir:
     from pbsd_jax import policy_checkpoint
-    params, _ = policy_checkpoint.restore_params(config.model.init_dir)
+    params, _ = policy_checkpoint.restore_params(config.model.init_dir, sharding=shardings)
     return params
-  return init_params(model, jax.random.key(config.seed))
+  return init_params(model, jax.random.key(config.seed), shardings)
+
+
+def fresh_state(params: Any, tx: optax.GradientTransformation, model: ModelConfig,
+                 mesh: Mesh, seed: int) -> train_state.TrainState:
+  """A step-0 state of `params`, built straight into its shardings on `mesh`."""
+  return train_state.init_train_state(
+      params, tx, jax.random.key(seed),
+      shardings=train_state.train_state_shardings(model, tx, mesh))
 
 
 def sft_stage(config, task: Task, model: ModelConfig, workdir: str, log: MetricLog,
-              progress: Callable = lambda it, **kw: it, force_resume: bool = False
-              ) -> train_state.TrainState:
-  """`config.sft.steps` updates of masked NLL on oracle trajectories (resumable; with
-  `force_resume`, also from checkpoints of another configuration)."""
+              mesh: Mesh, progress: Callable = lambda it, **kw: it,
+              force_resume: bool = False) -> train_state.TrainState:
+  """`config.sft.steps` updates of masked NLL on oracle trajectories, under `mesh`
+  (resumable; with `force_resume`, also from checkpoints of another configuration)."""
   steps = config.sft.steps
   tx = run_config.build_optimizer(config, "sft")
-  state = train_state.init_train_state(initial_params(config, model), tx,
-                                       jax.random.key(config.seed))
+  state = fresh_state(initial_params(config, model, mesh), tx, model, mesh, config.seed)
   with _checkpointer(config, workdir, "ckpt_sft") as ckpt:
     state = _resume(ckpt, state, log, "sft", force_resume)
     if int(state.step) >= steps:
@@ -87,13 +97,16 @@ def sft_stage(config, task: Task, model: ModelConfig, workdir: str, log: MetricL
     records = task.splits["sft"][:config.sft.max_examples or None]
     tokens, mask, action = sft_sequences(task, records, config, model)
     step_fn = learner.make_sft_step(model, tx, learner.UpdatePlan(
-        chunk_size=config.rl.chunk_size or None))
+        chunk_size=config.rl.chunk_size or None), mesh=mesh)
     with checkpoint.PreemptionGuard() as guard:
       for step in progress(range(int(state.step), steps), desc="sft", initial=int(state.step),
                            total=steps):
         rows = np.random.default_rng([config.seed, step]).choice(
             len(tokens), config.sft.batch_size, replace=False)
-        state, metrics = step_fn(state, tokens[rows], mask[rows], action[rows])
+        rows = rows[sharding.process_batch_rows(len(rows), mesh)]  # this process's
+        batch = sharding.shard_process_local_batch((tokens[rows], mask[rows], action[rows]),
+                                                   mesh, config.sft.batch_size)
+        state, metrics = step_fn(state, *batch)
         log.write("sft", step + 1, metrics)
         ckpt.save(state, {"stage": "sft", "step": step + 1}, force=step + 1 == steps)
         if guard.save_if_requested(ckpt, state, {"stage": "sft", "step": step + 1}):
@@ -144,23 +157,39 @@ def rl_iteration(rollout_fn: RolloutFn, update: Callable, state: train_state.Tra
 
 
 def make_rl_iteration(sampler: Sampler, env: AgentEnv, model: ModelConfig,
-                      tx: optax.GradientTransformation, algo: Any, plan: learner.UpdatePlan
-                      ) -> Callable:
+                      tx: optax.GradientTransformation, algo: Any, plan: learner.UpdatePlan,
+                      mesh: Mesh | None = None) -> Callable:
   """One RL step as one XLA program: in-graph rollout -> reward -> evidence -> update.
 
   Returns `step(state, index, batch, group_ids, teacher_params=None) -> (state, rollout,
   metrics)`, jitted. The state is donated; the frozen `teacher_params` are an argument, not
-  donated, so the same copy serves every step.
+  donated, so the same copy serves every step. With a mesh the shardings are explicit: the
+  state's from `train_state_shardings`, the batch, group ids and rollout rows over the data
+  axes (each device samples its own rows), the index and metrics replicated.
   """
+  micro = None if mesh is None else learner.micro_batch_sharding(mesh)
+
   def update(state, rollout, teacher_prompt, teacher_prompt_mask, teacher_params):
     return learner.rl_step(state, rollout, teacher_prompt, teacher_prompt_mask, teacher_params,
-                           config=model, tx=tx, algo=algo, max_turns=env.max_turns, plan=plan)
+                           config=model, tx=tx, algo=algo, max_turns=env.max_turns, plan=plan,
+                           micro_sharding=micro)
 
   def step(state, index, batch, group_ids, teacher_params=None):
     return rl_iteration(ingraph_rollout_fn(sampler, env, index), update, state, batch,
                         group_ids, teacher_params)
 
-  return jax.jit(step, donate_argnums=0)
+  if mesh is None:
+    return jax.jit(step, donate_argnums=0)
+  state_sh = train_state.train_state_shardings(model, tx, mesh)
+  rows, whole = sharding.batch_sharding(mesh), sharding.replicated(mesh)
+  with_teacher = jax.jit(step, in_shardings=(state_sh, whole, rows, rows, state_sh.params),
+                         out_shardings=(state_sh, rows, whole), donate_argnums=0)
+  without = jax.jit(lambda s, i, b, g: step(s, i, b, g),
+                    in_shardings=(state_sh, whole, rows, rows),
+                    out_shardings=(state_sh, rows, whole), donate_argnums=0)
+  return lambda state, index, batch, group_ids, teacher_params=None: (
+      without(state, index, batch, group_ids) if teacher_params is None
+      else with_teacher(state, index, batch, group_ids, teacher_params))
 
 
 def retrieval_metrics(before: dict, after: dict) -> dict:
@@ -187,12 +216,24 @@ def _none_applied(metrics: dict, plan: learner.UpdatePlan) -> bool:
   return skipped > 0 and skipped + empty >= plan.epochs * plan.minibatches
 
 
+def rl_inputs(task: Task, config, step: int, mesh: Mesh) -> tuple[list[dict], dict, jax.Array]:
+  """RL step `step`'s records (all rows), and its batch and group ids as global arrays whose
+  rows are sharded over the data axes of `mesh`; this process builds only its own rows."""
+  records, group_ids = rl_prompts(task, config, step)
+  rows = sharding.process_batch_rows(len(records), mesh)
+  batch, group_ids = sharding.shard_process_local_batch(
+      (rl_batch(task, config, records[rows]), group_ids[rows].astype(np.int32)), mesh,
+      len(records))
+  return records, batch, group_ids
+
+
 def rl_stage(config, task: Task, model: ModelConfig, params: Any, workdir: str,
-             log: MetricLog, progress: Callable = lambda it, **kw: it,
+             log: MetricLog, mesh: Mesh, progress: Callable = lambda it, **kw: it,
              on_step: Callable | None = None, force_resume: bool = False
              ) -> train_state.TrainState:
-  """`config.rl.steps` RL steps of `config.algorithm` starting from `params` (resumable; with
-  `force_resume`, also from checkpoints of another configuration)."""
+  """`config.rl.steps` RL steps of `config.algorithm` starting from `params` (sharded on
+  `mesh`), under `mesh` (resumable; with `force_resume`, also from checkpoints of another
+  configuration)."""
   algo = run_config.build_algorithm(config)
   steps = config.rl.steps
   tx = run_config.build_optimizer(config, "rl")
@@ -201,14 +242,14 @@ def rl_stage(config, task: Task, model: ModelConfig, params: Any, workdir: str,
   # A host retriever's own counters (`HttpRetriever.metrics`: calls, retries, latency).
   counters = (getattr(task.retriever, "metrics", None)
               if config.env.retriever != "ingraph" else None)
-  state = train_state.init_train_state(params, tx, jax.random.key(config.seed + 1))
+  state = fresh_state(params, tx, model, mesh, config.seed + 1)
   teacher_params = jax.tree.map(jnp.copy, params) if algo.distillation_beta is not None else None
   if config.env.retriever == "ingraph":
-    jitted = make_rl_iteration(sampler, task.env, model, tx, algo, plan)
+    jitted = make_rl_iteration(sampler, task.env, model, tx, algo, plan, mesh)
     iteration = lambda state, batch, group_ids, records: jitted(state, task.index, batch,
                                                                 group_ids, teacher_params)
   else:
-    update = learner.make_rl_step(model, tx, algo, task.env.max_turns, plan)
+    update = learner.make_rl_step(model, tx, algo, task.env.max_turns, plan, mesh=mesh)
     iteration = lambda state, batch, group_ids, records: rl_iteration(
         host_rollout_fn(sampler, task.env, task.retriever, task.encode, task.decode,
                         [r["golden_answers"] for r in records]),
@@ -221,11 +262,9 @@ def rl_stage(config, task: Task, model: ModelConfig, params: Any, workdir: str,
                    initial=int(state.step), total=steps)
     faults, skipped_in_a_row = {}, 0
     for step in bar:
-      records, group_ids = rl_prompts(task, config, step)
-      batch = rl_batch(task, config, records)
+      records, batch, group_ids = rl_inputs(task, config, step, mesh)
       before = counters() if counters else {}
-      state, rollout, metrics = iteration(state, batch, jnp.asarray(group_ids, jnp.int32),
-                                          records)
+      state, rollout, metrics = iteration(state, batch, group_ids, records)
       if counters:
         metrics = {**metrics, **retrieval_metrics(before, counters())}
       log.write("rl", step + 1, metrics)

@@ -5,7 +5,8 @@ for the life of the process -- the operating system drops it when the process en
 it ends, so a killed run never leaves the workdir locked -- and compares the run's
 configuration with the one recorded in `<workdir>/run_config.json` by the run that made it.
 Only the `RESUMABLE` fields may differ on resume: they change how long the run goes on, how
-it is evaluated and logged, or where the retriever is, never what the checkpoints hold.
+it is evaluated and logged, where the retriever is, or the mesh it runs on (a checkpoint
+restores onto any mesh), never what the checkpoints hold.
 
 `fingerprint` is a hash of the configuration without those fields; the checkpoints record it
 so that a step saved by another configuration is not restored as this run's.
@@ -22,7 +23,7 @@ from typing import Any
 # Fields (or whole sections) that may change when a run resumes.
 RESUMABLE = ("sft.steps", "rl.steps", "eval", "checkpoint.save_interval_steps",
              "checkpoint.max_to_keep", "checkpoint.async_save", "env.url", "env.timeout_s",
-             "env.max_retries")
+             "env.max_retries", "mesh")
 CONFIG_FILE = "run_config.json"
 LOCK_FILE = ".lock"
 _held: list = []  # the locks `claim_for_script` keeps for the life of the process
@@ -88,7 +89,8 @@ def claim(workdir: str, config, *, force: bool = False, lock: bool = True):
     workdir: the run's directory (created if missing).
     config: the run's ConfigDict.
     force: resume even when non-resumable fields differ; the new config is then recorded.
-    lock: take the lock (in a multi-host run only the first process takes it).
+    lock: take the lock and record the configuration (in a multi-host run only the first
+      process does; the others only check the record).
 
   Returns:
     The open lock file: keep a reference for as long as the run uses the workdir (the lock
@@ -113,6 +115,8 @@ def claim(workdir: str, config, *, force: bool = False, lock: bool = True):
                          f"to resume it anyway")
     if not fields:
       return handle
+  if not lock:
+    return None
   tmp = f"{path}.tmp-{os.getpid()}"
   with open(tmp, "w") as f:
     json.dump(current, f, indent=1, sort_keys=True)

@@ -41,6 +41,7 @@ def main(argv):
   workdir_lib.claim_for_script(workdir, config, force=_FORCE_RESUME.value)
   task = task_lib.prepare_task(config, workdir)
   model = run_config.build_model_config(config, task.vocab.vocab_size)
+  mesh = run_config.mesh_for_script(config, model)
   policy_checkpoint.save_model_config(workdir, model)
   log = MetricLog(workdir)
 
@@ -57,7 +58,7 @@ def main(argv):
           f"generated tokens {result['mean_action_tokens']:.1f}", flush=True)
     return result["accuracy"]
 
-  sft_state = train.sft_stage(config, task, model, workdir, log, progress=tqdm.tqdm,
+  sft_state = train.sft_stage(config, task, model, workdir, log, mesh, progress=tqdm.tqdm,
                               force_resume=_FORCE_RESUME.value)
   sft_acc = validation_accuracy(sft_state.params, "sft")
   algo = run_config.build_algorithm(config)
@@ -74,7 +75,7 @@ def main(argv):
     report.credit_html(view, task.decode, os.path.join(workdir, "credit.html"),
                        title=f"{algo.name.upper()} turn-level credit")
 
-  rl_state = train.rl_stage(config, task, model, sft_state.params, workdir, log,
+  rl_state = train.rl_stage(config, task, model, sft_state.params, workdir, log, mesh,
                             progress=tqdm.tqdm, on_step=credit_page,
                             force_resume=_FORCE_RESUME.value)
   rl_acc = validation_accuracy(rl_state.params, algo.name)

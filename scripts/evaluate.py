@@ -63,7 +63,8 @@ def main(argv):
   run_config.validate_for_script(config)
   template = protocol.PROMPT_TEMPLATES[config.data.prompt_template]
   try:
-    task, model, params, step = task_lib.load_policy(config, ckpt_dir, _STEP.value, workdir)
+    task, model, params, step = task_lib.load_policy(config, ckpt_dir, _STEP.value, workdir,
+                                                     run_config.build_mesh(config))
     splits = {name: evaluate.head_per_tier(task.records(name), num_examples)
               for name in _SPLITS.value}
   except (FileNotFoundError, ValueError) as err:

@@ -4,6 +4,9 @@
       --config.rl.steps=50 --config.pbsd.delta=0.2
 
 Re-running the same command resumes from the last checkpoint of the unfinished stage.
+Multi-host: the same command on every host, with `--coordinator_address=HOST0:PORT
+--num_processes=N --process_id=I` (or nothing on a TPU pod / in a SLURM job); README.md,
+"Running on a TPU pod / GPU cluster".
 """
 
 from absl import flags
@@ -13,6 +16,7 @@ from pbsd_jax import cli
 
 _CONFIG = cli.define_config("configs/pbsd.py")
 _WORKDIR = flags.DEFINE_string("workdir", "workdir/run", "Checkpoints, metrics, data.")
+_DISTRIBUTED = cli.define_distributed()
 _FORCE_RESUME = flags.DEFINE_bool(
     "force_resume", False, "Resume a workdir made by another configuration (the fields that "
     "differ are named when it is refused without this flag).")
@@ -20,6 +24,8 @@ _FORCE_RESUME = flags.DEFINE_bool(
 
 def main(argv):
   del argv
+  cli.initialize_distributed(_DISTRIBUTED)  # before anything touches a device
+  import jax
   import tqdm
 
   from pbsd_jax import policy_checkpoint, run_config, task as task_lib, train
@@ -32,13 +38,17 @@ def main(argv):
   workdir_lib.claim_for_script(_WORKDIR.value, config, force=_FORCE_RESUME.value)
   task = task_lib.prepare_task(config, _WORKDIR.value)
   model = run_config.build_model_config(config, task.vocab.vocab_size)
-  policy_checkpoint.save_model_config(_WORKDIR.value, model)
+  mesh = run_config.mesh_for_script(config, model)
+  lead = jax.process_index() == 0  # writes the files every process would write alike
+  if lead:
+    policy_checkpoint.save_model_config(_WORKDIR.value, model)
   log = MetricLog(_WORKDIR.value)
   force = _FORCE_RESUME.value
-  state = train.sft_stage(config, task, model, _WORKDIR.value, log, progress=tqdm.tqdm,
+  progress = tqdm.tqdm if lead else (lambda it, **kw: it)
+  state = train.sft_stage(config, task, model, _WORKDIR.value, log, mesh, progress=progress,
                           force_resume=force)
-  train.rl_stage(config, task, model, state.params, _WORKDIR.value, log, progress=tqdm.tqdm,
-                 force_resume=force)
+  train.rl_stage(config, task, model, state.params, _WORKDIR.value, log, mesh,
+                 progress=progress, force_resume=force)
 
 
 if __name__ == "__main__":

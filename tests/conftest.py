@@ -47,3 +47,38 @@ def kg(tmp_path_factory):
       [d["contents"] for d in corpus], lambda s: list(vocab.encode(s)), vocab.vocab_size,
       ids=[d["id"] for d in corpus], ignore_ids=vocab_lib.non_term_ids(vocab))
   return KnowledgeGraph(paths, vocab, load_world(paths["world"]), corpus, retriever)
+
+
+@pytest.fixture(scope="session")
+def opsd_run(kg, tmp_path_factory):
+  """A finished scripts/train.py run of test_train's small OPSD config (SFT checkpoints 2-4 and
+  RL checkpoints 1-3 kept); treat it as read-only."""
+  from test_train import OPSD, _train
+  workdir = str(tmp_path_factory.mktemp("opsd_run"))
+  _train(workdir, os.path.dirname(kg.paths["spm_model"]), *OPSD)
+  return workdir
+
+
+def pytest_configure(config):
+  """Under xdist, tests marked `xdist_group(NAME)` run on one worker (sharing the module
+  fixtures they would otherwise each build): `-n 2` means `--dist loadgroup`."""
+  if getattr(config.option, "dist", "no") == "load":
+    config.option.dist = "loadgroup"
+
+
+COUNTS = ("faults_injected", "runs_resumed", "bytes_compared")
+
+
+def pytest_terminal_summary(terminalreporter):
+  """One line totalling what the fault-injection tests recorded (`record_property`)."""
+  reports = [r for r in terminalreporter.stats.get("passed", []) if r.when == "call"]
+  totals = {name: 0 for name in COUNTS}
+  for report in reports:
+    for name, value in report.user_properties:
+      if name in totals:
+        totals[name] += value
+  if any(totals.values()):
+    terminalreporter.write_line(
+        f"fault injection: {totals['faults_injected']} faults injected, "
+        f"{totals['runs_resumed']} runs resumed, {totals['bytes_compared']:,} bytes compared "
+        "bitwise, nothing lost")

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -16,25 +17,13 @@ from pbsd_jax import workdir as workdir_lib
 from pbsd_jax.metric_log import MetricLog
 from test_checkpoint import delete_manifest, flip_bytes, largest_file, truncate
 from test_configs import load
-from test_train import SMALL, _final_params, _metrics, _train
-
-
-def _rl_params(workdir, step):
-  import orbax.checkpoint as ocp
-  return ocp.PyTreeCheckpointer().restore(
-      os.path.join(workdir, "ckpt_rl", str(step), "state"))["params"]
+from test_train import OPSD, SMALL, _checkpoint, _final_params, _metrics, _train
 
 
 def _assert_trees_equal(a, b):
-  import jax
   assert jax.tree.structure(a) == jax.tree.structure(b)
   for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
     np.testing.assert_array_equal(x, y)
-
-
-# OPSD: its distillation term has a gradient even when the small model earns no reward, so
-# a replayed RL step really moves the parameters.
-OPSD = ("--config.algorithm=opsd",)
 
 
 def _run(kg, workdir, *extra):
@@ -42,14 +31,6 @@ def _run(kg, workdir, *extra):
   proc = _train(workdir, os.path.dirname(kg.paths["spm_model"]), *OPSD, *extra, wait=False)
   out, _ = proc.communicate(timeout=300)
   return proc.returncode, out
-
-
-@pytest.fixture(scope="module")
-def finished(kg, tmp_path_factory):
-  """A finished run of the small OPSD config (RL checkpoints 1, 2 and 3 kept)."""
-  workdir = str(tmp_path_factory.mktemp("finished"))
-  _train(workdir, os.path.dirname(kg.paths["spm_model"]), *OPSD)
-  return workdir
 
 
 def test_only_non_resumable_fields_count_as_a_different_configuration():
@@ -113,28 +94,28 @@ def test_a_resumed_stage_drops_its_rows_after_the_restored_step(tmp_path):
       ("sft", 1), ("sft", 2), ("rl", 1)]
 
 
-def test_train_refuses_a_workdir_of_another_configuration_in_one_line(kg, finished):
-  before = sorted(os.listdir(os.path.join(finished, "ckpt_rl")))
-  code, out = _run(kg, finished, "--config.seed=5", "--config.optim.lr=0.01")
+def test_train_refuses_a_workdir_of_another_configuration_in_one_line(kg, opsd_run):
+  before = sorted(os.listdir(os.path.join(opsd_run, "ckpt_rl")))
+  code, out = _run(kg, opsd_run, "--config.seed=5", "--config.optim.lr=0.01")
   assert code != 0
   assert out.strip().splitlines()[-1] == (
-      f"error: workdir {finished} was made by another configuration (differs in optim.lr, "
+      f"error: workdir {opsd_run} was made by another configuration (differs in optim.lr, "
       f"seed); use another --workdir, or pass --force_resume to resume it anyway")
   assert "Traceback" not in out
-  assert sorted(os.listdir(os.path.join(finished, "ckpt_rl"))) == before
+  assert sorted(os.listdir(os.path.join(opsd_run, "ckpt_rl"))) == before
 
 
-def test_train_refuses_a_workdir_another_process_is_using(kg, finished):
+def test_train_refuses_a_workdir_another_process_is_using(kg, opsd_run):
   config = load("pbsd", f"--config.data.dir={os.path.dirname(kg.paths['spm_model'])}", *SMALL,
                 *OPSD)
-  handle = workdir_lib.claim(finished, config)
+  handle = workdir_lib.claim(opsd_run, config)
   try:
-    code, out = _run(kg, finished)
+    code, out = _run(kg, opsd_run)
   finally:
     handle.close()
   assert code != 0
   assert out.strip().splitlines()[-1] == (
-      f"error: workdir {finished} is in use by another process (pid {os.getpid()})"), out[-3000:]
+      f"error: workdir {opsd_run} is in use by another process (pid {os.getpid()})"), out[-3000:]
 
 
 @pytest.mark.parametrize("corrupt", [
@@ -143,15 +124,15 @@ def test_train_refuses_a_workdir_another_process_is_using(kg, finished):
     delete_manifest,
 ], ids=["flipped_bytes", "truncated", "deleted_manifest"])
 def test_a_corrupt_latest_checkpoint_resumes_to_the_uninterrupted_parameters(
-    kg, finished, tmp_path, corrupt):
+    kg, opsd_run, tmp_path, corrupt, record_property):
   workdir = str(tmp_path / "run")
-  shutil.copytree(finished, workdir)
-  step, want = _final_params(finished)
+  shutil.copytree(opsd_run, workdir)
+  step, want = _final_params(opsd_run)
   assert step == 3
-  rl = [r for r in _metrics(finished) if r["stage"] == "rl"]
+  rl = [r for r in _metrics(opsd_run) if r["stage"] == "rl"]
   assert all(r["grad_norm"] > 0 for r in rl)  # the replayed step really changes parameters
   with pytest.raises(AssertionError):
-    _assert_trees_equal(_rl_params(finished, 2), want)
+    _assert_trees_equal(_checkpoint(opsd_run, step=2)["params"], want)
   corrupt(os.path.join(workdir, "ckpt_rl", "3"))
   code, out = _run(kg, workdir)
   assert code == 0, out[-3000:]
@@ -162,3 +143,6 @@ def test_a_corrupt_latest_checkpoint_resumes_to_the_uninterrupted_parameters(
   assert step == 3
   _assert_trees_equal(resumed, want)
   assert [r["step"] for r in _metrics(workdir) if r["stage"] == "rl"] == [1, 2, 3]
+  record_property("faults_injected", 1)
+  record_property("runs_resumed", 1)
+  record_property("bytes_compared", sum(x.nbytes for x in jax.tree.leaves(want)))

@@ -386,12 +386,15 @@ def _init_boxed(config: ModelConfig, rng: Array):
   return Transformer(config).init(rng, jnp.zeros((1, 1), jnp.int32))["params"]
 
 
-def init_params(config: ModelConfig, rng: Array) -> Any:
+def init_params(config: ModelConfig, rng: Array, shardings: Any = None) -> Any:
   """Random parameters for `config`: a plain pytree of arrays (`param_dtype`).
 
   The same distributions as `Transformer.init` (norm scales 1, biases 0, other weights
   N(0, 0.02^2)) drawn on the host with numpy from a seed derived from `rng`: XLA compiles the
-  model's own init for seconds on a CPU, which every test and script would pay.
+  model's own init for seconds on a CPU, which every test and script would pay. With
+  `shardings` (a tree like the params, e.g. `sharding.param_shardings`), each device gets only
+  its shard of each array (`jax.make_array_from_callback`; every process draws the same
+  values), so no device holds a whole parameter it should not.
   """
   shapes = param_shapes(config)
   seed = np.asarray(jax.random.key_data(rng) if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
@@ -406,9 +409,13 @@ def init_params(config: ModelConfig, rng: Array) -> Any:
       value = np.zeros(leaf.shape, np.float32)
     else:
       value = gen.normal(0.0, 0.02, leaf.shape).astype(np.float32)
-    return jnp.asarray(value, leaf.dtype)
+    return value.astype(leaf.dtype)
 
-  return jax.tree_util.tree_map_with_path(draw, shapes)
+  values = jax.tree_util.tree_map_with_path(draw, shapes)
+  if shardings is None:
+    return jax.tree.map(jnp.asarray, values)
+  return jax.tree.map(lambda v, sh: jax.make_array_from_callback(v.shape, sh, lambda i: v[i]),
+                      values, shardings)
 
 
 def param_shapes(config: ModelConfig) -> Any:

@@ -1,0 +1,177 @@
+"""scripts/train.py on a mesh and across processes: real subprocesses, 8 fake CPU devices, two
+processes joined over gloo on a loopback coordinator, real orbax checkpoints.
+
+Tolerance: the runs sample the same trajectories (asserted: every per-step metric that counts
+tokens, turns or rewards is equal), but a mesh splits each reduction (matmul contractions over
+the tensor axis, gradient sums over the data axes) into partial sums added in another order,
+so float32 parameters differ in the last bits, compounded over 7 Adam updates. Measured: a
+max |diff| of 2e-6 (1 device vs 2x2x2); asserted: 2e-5. Two processes x 4 devices and one
+process x 8 devices run the same partitioned program on the same mesh, and are compared at
+the same tolerance (gloo's all-reduce need not add in XLA:CPU's order).
+"""
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from pbsd_jax import checkpoint, run_config, sharding, train_state
+from pbsd_jax.models import param_shapes
+from test_configs import load
+from test_train import OPSD, ROOT, SMALL, _checkpoint, _metrics, _train
+
+# One worker runs them all, so the runs below are made once (conftest: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("multihost")
+
+MESH = ("--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2")
+ATOL = 2e-5
+# Per-step metrics that depend only on what was sampled, not on float rounding.
+SAMPLED = ("accuracy", "mean_turns", "mean_action_tokens", "searches", "failed_searches")
+
+
+def _free_port():
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def _pair(kg, workdir, port, *extra):
+  """Two processes of one run, 4 fake CPU devices each, the 2x2x2 mesh over all 8."""
+  data_dir = os.path.dirname(kg.paths["spm_model"])
+  return [_train(workdir, data_dir, *OPSD, *MESH, f"--coordinator_address=127.0.0.1:{port}",
+                 "--num_processes=2", f"--process_id={i}", *extra, wait=False, devices=4)
+          for i in range(2)]
+
+
+def _wait(procs, timeout=600):
+  outs = []
+  try:
+    for p in procs:
+      outs.append(p.communicate(timeout=timeout)[0])
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.communicate()
+  return [p.returncode for p in procs], outs
+
+
+def _assert_close_runs(a, b, atol=ATOL):
+  got, want = _checkpoint(a), _checkpoint(b)
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(got["params"]),
+                          jax.tree.leaves(want["params"])):
+    np.testing.assert_allclose(x, y, rtol=0, atol=atol, err_msg=jax.tree_util.keystr(path))
+  np.testing.assert_array_equal(got["rng"], want["rng"])  # the same samples ahead
+  rows_a, rows_b = _metrics(a), _metrics(b)
+  assert [(r["stage"], r["step"]) for r in rows_a] == [(r["stage"], r["step"]) for r in rows_b]
+  for x, y in zip(rows_a, rows_b):
+    assert {k: x[k] for k in SAMPLED if k in x} == {k: y[k] for k in SAMPLED if k in y}
+
+
+@pytest.fixture(scope="module")
+def eight_devices(kg, tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("mesh_1x8"))
+  _train(workdir, os.path.dirname(kg.paths["spm_model"]), *OPSD, *MESH, devices=8)
+  return workdir
+
+
+@pytest.fixture(scope="module")
+def two_processes(kg, tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("mesh_2x4"))
+  codes, outs = _wait(_pair(kg, workdir, _free_port()))
+  assert codes == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+  return workdir
+
+
+def test_a_2x2x2_mesh_on_8_devices_ends_where_one_device_does(eight_devices, opsd_run):
+  rl = [r for r in _metrics(opsd_run) if r["stage"] == "rl"]
+  assert all(r["grad_norm"] > 0 for r in rl)
+  _assert_close_runs(eight_devices, opsd_run)
+
+
+def test_two_processes_end_where_one_process_does(two_processes, eight_devices, opsd_run):
+  _assert_close_runs(two_processes, eight_devices)
+  _assert_close_runs(two_processes, opsd_run)
+  # Only process 0 wrote the metrics: each step once.
+  assert len(_metrics(two_processes)) == len(_metrics(opsd_run))
+
+
+def test_a_killed_process_of_two_resumes_with_its_peer(kg, two_processes, tmp_path,
+                                                      record_property):
+  workdir = str(tmp_path)
+  procs = _pair(kg, workdir, _free_port())
+  marker = os.path.join(workdir, "ckpt_rl", "1")
+  deadline = time.time() + 300
+  while not os.path.exists(marker) and all(p.poll() is None for p in procs) \
+      and time.time() < deadline:
+    time.sleep(0.05)
+  procs[1].send_signal(signal.SIGKILL)
+  # Its peer cannot go on alone; a cluster scheduler then ends the job, as here.
+  time.sleep(2.0)
+  procs[0].send_signal(signal.SIGKILL)
+  codes, _ = _wait(procs, timeout=60)
+  assert codes == [-signal.SIGKILL, -signal.SIGKILL], "the run ended before it was killed"
+  assert not os.path.exists(os.path.join(workdir, "ckpt_rl", "3"))
+  codes, outs = _wait(_pair(kg, workdir, _free_port()))
+  assert codes == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+  got, want = _checkpoint(workdir), _checkpoint(two_processes)
+  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(x, y)
+  assert _metrics(workdir) == _metrics(two_processes)
+  record_property("faults_injected", 1)
+  record_property("runs_resumed", 1)
+  record_property("bytes_compared", sum(np.asarray(x).nbytes for x in jax.tree.leaves(want)))
+
+
+@pytest.mark.parametrize("sizes", [(1, 1, 1), (4, 2, 1)], ids=["1_device", "4x2x1"])
+def test_a_checkpoint_of_one_mesh_restores_onto_another(kg, eight_devices, sizes):
+  config = load("pbsd", *SMALL, *OPSD)
+  model = run_config.build_model_config(config, kg.vocab.vocab_size)
+  tx = run_config.build_optimizer(config, "rl")
+  data, fsdp, tensor = sizes
+  mesh = sharding.make_mesh(data, fsdp, tensor, devices=jax.devices()[:data * fsdp * tensor])
+  abstract = jax.eval_shape(lambda params: train_state.init_train_state(
+      params, tx, jax.random.key(0)), param_shapes(model))
+  shardings = train_state.train_state_shardings(model, tx, mesh)
+  target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        abstract, shardings)
+  with checkpoint.Checkpointer(os.path.join(eight_devices, "ckpt_rl")) as ckpt:
+    state, data_state = ckpt.restore(target, 2, check_fingerprint=False)
+  assert data_state == {"stage": "rl", "step": 2}
+  assert state.params["embedding"].sharding.mesh.shape == mesh.shape
+  saved = _checkpoint(eight_devices, step=2)
+  for x, y in zip(jax.tree.leaves(state.params), jax.tree.leaves(saved["params"])):
+    np.testing.assert_array_equal(x, y)
+
+
+def test_a_2x2x2_run_continues_on_one_device(kg, eight_devices, tmp_path):
+  workdir = str(tmp_path / "run")
+  shutil.copytree(eight_devices, workdir)
+  shutil.rmtree(os.path.join(workdir, "ckpt_rl", "3"))
+  _train(workdir, os.path.dirname(kg.paths["spm_model"]), *OPSD)  # 1 device, default mesh
+  _assert_close_runs(workdir, eight_devices)
+
+
+@pytest.mark.parametrize("override, field", [
+    ("--config.mesh.data=3", "config.mesh"),
+    ("--config.rollout.prompts_per_step=1", "config.rollout.prompts_per_step"),
+    ("--config.sft.batch_size=2", "config.sft.batch_size"),
+])
+def test_a_mesh_that_does_not_fit_is_one_line_before_compiling(tmp_path, override, field):
+  cmd = [sys.executable, os.path.join(ROOT, "scripts", "train.py"),
+         f"--workdir={tmp_path / 'w'}", "--config.data.dir=/nonexistent", *SMALL, *MESH,
+         override]
+  env = {**os.environ, "JAX_PLATFORMS": "cpu",
+         "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+  proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+  lines = [line for line in proc.stderr.splitlines() if line.strip()]
+  assert proc.returncode != 0
+  assert len(lines) == 1 and lines[0].startswith(f"FATAL config error: {field}"), lines
+  assert not os.path.exists(tmp_path / "w")
