@@ -57,13 +57,18 @@ def prompt_region(questions: Sequence[str], encode: Encode, width: int,
 
 
 def gold_batch(golden_answers: Sequence[Sequence[str]], encode: Encode,
-               width: int) -> np.ndarray:
+               width: int, num: int | None = None) -> np.ndarray:
   """`i32[B, G, width]` tokenised gold answers, -1 padded, for the token-level reward.
 
   Each answer is encoded on its own; answers longer than `width` tokens are cut (and so can
-  only match an equally cut answer): pick `width` above the longest answer.
+  only match an equally cut answer): pick `width` above the longest answer. `G` is `num`
+  (fixed, so every batch has one shape: one compilation, and the same shape on every
+  process) or, by default, the most answers a row of this batch has.
   """
-  num = max(1, max(len(g) for g in golden_answers))
+  most = max(1, max(len(g) for g in golden_answers))
+  if num is not None and most > num:
+    raise ValueError(f"a row has {most} golden answers, more than the {num} slots of the batch")
+  num = most if num is None else num
   gold = np.full((len(golden_answers), num, width), -1, np.int32)
   for b, answers in enumerate(golden_answers):
     for g, text in enumerate(answers):

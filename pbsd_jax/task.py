@@ -124,6 +124,7 @@ def sft_sequences(task: Task, records: list[dict], config, model: ModelConfig,
   env = task.env
   sampler = Sampler(model)
   params = init_params(model, jax.random.key(0))  # forced actions: the weights are unused
+  slots = max(len(r["golden_answers"]) for r in records)  # one gold shape for every chunk
   out = []
   for start in range(0, len(records), chunk):
     rows = records[start:start + chunk]
@@ -133,7 +134,8 @@ def sft_sequences(task: Task, records: list[dict], config, model: ModelConfig,
                            protocol.PROMPT_TEMPLATES[config.data.prompt_template])
     forced, lengths = forced_batch([r["actions"] for r in rows], task.encode, env.max_turns,
                                    env.max_action_tokens)
-    gold = gold_batch([r["golden_answers"] for r in rows], task.encode, config.data.gold_width)
+    gold = gold_batch([r["golden_answers"] for r in rows], task.encode, config.data.gold_width,
+                      slots)
     rollout = ingraph_rollout(sampler, env, params, region["prompts"], region["prompt_mask"],
                               jax.random.key(0), task.index, gold, None, forced, lengths)
     keep = min(chunk, len(records) - start)
@@ -163,5 +165,7 @@ def rl_batch(task: Task, config, records: list[dict]) -> dict[str, np.ndarray]:
                          config.data.prompt_width,
                          protocol.PROMPT_TEMPLATES[config.data.prompt_template],
                          answers=[r["golden_answers"][0] for r in records])
+  # As many answer slots as the split's most, so every step's batch has one shape.
+  slots = max(len(r["golden_answers"]) for r in task.splits["rl_train"])
   return dict(**region, gold=gold_batch([r["golden_answers"] for r in records], task.encode,
-                                        config.data.gold_width))
+                                        config.data.gold_width, slots))

@@ -175,3 +175,37 @@ def test_a_mesh_that_does_not_fit_is_one_line_before_compiling(tmp_path, overrid
   assert proc.returncode != 0
   assert len(lines) == 1 and lines[0].startswith(f"FATAL config error: {field}"), lines
   assert not os.path.exists(tmp_path / "w")
+
+
+_compiles = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, duration, **kw: _compiles.append(event)
+    if event == "/jax/core/compile/backend_compile_duration" else None)
+
+
+def test_no_rl_step_after_the_first_compiles_again_on_the_mesh(kg):
+  from pbsd_jax import task as task_lib, train
+  config = load("pbsd", *SMALL)
+  task = task_lib.prepare_task(config, os.path.dirname(kg.paths["spm_model"]))
+  # Two steps whose questions have different numbers of golden answers: a batch shaped by
+  # its own rows would recompile the second.
+  answers = lambda step: max(len(r["golden_answers"])
+                             for r in task_lib.rl_prompts(task, config, step)[0])
+  first = 0
+  second = next(s for s in range(1, 200) if answers(s) != answers(first))
+  model = run_config.build_model_config(config, task.vocab.vocab_size)
+  tx = run_config.build_optimizer(config, "rl")
+  mesh = sharding.make_mesh(2, 2, 2)
+  iteration = train.make_rl_iteration(
+      run_config.build_sampler(config, model), task.env, model, tx,
+      run_config.build_algorithm(config), run_config.build_plan(config), mesh)
+  state = train.fresh_state(train.initial_params(config, model, mesh), tx, model, mesh, 0)
+  counts = []
+  for step in (first, second, second + 1):
+    _, batch, group_ids = train.rl_inputs(task, config, step, mesh)
+    before = len(_compiles)
+    state, rollout, metrics = iteration(state, task.index, batch, group_ids)
+    jax.block_until_ready(metrics)
+    counts.append(len(_compiles) - before)
+    assert rollout.tokens.sharding.spec[0] == ("data", "fsdp")  # each device its own rows
+  assert counts[0] >= 1 and counts[1:] == [0, 0], counts
