@@ -11,6 +11,7 @@
 # learner MFU against the chip's dense bf16 peak (benchmarks/ours_common.py CHIP_PEAKS, by device
 # kind) and against the matmul peak measured in the same run, and decode bandwidth utilisation
 # (parameter + KV-cache bytes read per decode step / decode step time / the chip's HBM bandwidth).
+# Then the training loop itself, scripts/train.py on the demo config for a few steps.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -53,6 +54,20 @@ run mfu benchmarks/ours_mfu.py "${COMMON[@]}" "${MFU_ARGS[@]}"
 read -r -a MEMORY_ARGS <<< "${MEMORY_ARGS:-}"
 run memory benchmarks/ours_memory.py --dtype "$DTYPE" "${MEMORY_ARGS[@]}"
 run multiturn benchmarks/ours_multiturn.py "${COMMON[@]}"
+# The training loop itself (scripts/train.py: data, SFT, RL under the config's mesh, here all
+# of this machine's accelerators) on the demo's task and model, a few steps of each stage.
+echo "== loop: scripts/train.py" >&2
+rm -rf "$OUT/loop"
+"$PY" scripts/train.py --config=configs/demo.py --workdir="$OUT/loop" \
+    --config.sft.steps="${LOOP_SFT_STEPS:-40}" --config.rl.steps="${LOOP_RL_STEPS:-4}" \
+    2>&1 | tail -n 3 > "$OUT/loop.log"
+"$PY" - "$OUT/loop/metrics.jsonl" <<'EOF2' | tee -a "$OUT/loop.log"
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+rl = [r for r in rows if r["stage"] == "rl"]
+print(f"loop: {len(rows) - len(rl)} SFT + {len(rl)} RL steps written; last RL accuracy "
+      f"{rl[-1]['accuracy']:.3f}, grad_norm {rl[-1]['grad_norm']:.3g}")
+EOF2
 
 "$PY" - "$OUT" <<'EOF'
 import json, os, sys
