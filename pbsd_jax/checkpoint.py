@@ -107,7 +107,6 @@ def _quiet_abandoned_reads() -> None:
   sys.unraisablehook = hook
   warnings.filterwarnings("ignore", "coroutine '_read_array_index_and_device_put' was never "
                           "awaited", RuntimeWarning)
-  gc.collect()  # the coroutines of this restore, now
 
 
 class ConfigMismatchError(ValueError):
@@ -250,6 +249,8 @@ class Checkpointer:
     corruption: it is raised, not skipped.
     """
     steps = self.all_steps()
+    # Before the first read: a failing one reports from other threads as soon as it fails.
+    _quiet_abandoned_reads()
     for step in reversed(steps):
       try:
         return self.restore(target, step, check_fingerprint=check_fingerprint)
@@ -260,7 +261,7 @@ class Checkpointer:
         report(f"checkpoint {step} in {self.directory} is unusable "
                f"({type(err).__name__}: {reason}); trying the previous one")
         del err
-        _quiet_abandoned_reads()
+        gc.collect()  # this restore's abandoned reader coroutines, now (quietly)
         self._set_aside(step)
     if steps:
       report(f"no good checkpoint in {self.directory}; starting this stage afresh")
