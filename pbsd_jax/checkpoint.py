@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import gc
 import os
-import sys
 import signal
+import sys
 import time
 import warnings
 from typing import Any, Callable, Sequence

@@ -50,9 +50,9 @@ def define_distributed() -> dict:
   }
 
 
-# Environment variables that say this process is one of several JAX can join by itself.
-_CLUSTERS = {"SLURM_NTASKS": "SLURM", "TPU_WORKER_HOSTNAMES": "a TPU pod",
-             "OMPI_COMM_WORLD_SIZE": "Open MPI"}
+# Environment variables that say this process is one of several JAX can join by itself
+# (SLURM, a TPU pod, Open MPI).
+_CLUSTERS = ("SLURM_NTASKS", "TPU_WORKER_HOSTNAMES", "OMPI_COMM_WORLD_SIZE")
 
 
 def _cluster_size(name: str, value: str) -> int:

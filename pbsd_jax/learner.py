@@ -511,21 +511,42 @@ def make_rl_step(config: ModelConfig, tx: optax.GradientTransformation, algo: An
   fn = functools.partial(rl_step, config=config, tx=tx, algo=algo, max_turns=max_turns,
                          plan=plan)
   if mesh is None:
-    with_teacher = jax.jit(fn, donate_argnums=0)
-    without = jax.jit(lambda s, r, tp, tm: fn(s, r, tp, tm), donate_argnums=0)
-  else:
-    fn = functools.partial(fn, micro_sharding=micro_batch_sharding(mesh, rules))
-    state_sh = train_state_shardings(config, tx, mesh, rules)
-    data, out = sharding.batch_sharding(mesh, rules), (state_sh, sharding.replicated(mesh))
-    with_teacher = jax.jit(fn, in_shardings=(state_sh, data, data, data, state_sh.params),
-                           out_shardings=out, donate_argnums=0)
-    without = jax.jit(lambda s, r, tp, tm: fn(s, r, tp, tm),
-                      in_shardings=(state_sh, data, data, data), out_shardings=out,
-                      donate_argnums=0)
+    return jit_with_optional_teacher(fn)
+  fn = functools.partial(fn, micro_sharding=micro_batch_sharding(mesh, rules))
+  state_sh = train_state_shardings(config, tx, mesh, rules)
+  data = sharding.batch_sharding(mesh, rules)
+  return jit_with_optional_teacher(fn, (state_sh, data, data, data), state_sh.params,
+                                   (state_sh, sharding.replicated(mesh)))
 
-  def step(state, rollout, teacher_prompt, teacher_prompt_mask, teacher_params=None):
+
+def jit_with_optional_teacher(fn: Callable, in_shardings: tuple | None = None,
+                              teacher_shardings: Any = None, out_shardings: Any = None
+                              ) -> Callable:
+  """`fn(state, a, b, c, teacher_params=None)` jitted with the state donated, as two programs:
+  one taking frozen teacher parameters, one without (None has no sharding to give).
+
+  Args:
+    fn: the step.
+    in_shardings: the shardings of `(state, a, b, c)`, or None to let jit infer them (and
+      `out_shardings` too).
+    teacher_shardings: the teacher parameters' shardings (with `in_shardings`).
+    out_shardings: the outputs' shardings (with `in_shardings`).
+
+  Returns:
+    `step(state, a, b, c, teacher_params=None)`.
+  """
+  if in_shardings is None:
+    with_teacher = jax.jit(fn, donate_argnums=0)
+    without = jax.jit(lambda s, a, b, c: fn(s, a, b, c), donate_argnums=0)
+  else:
+    with_teacher = jax.jit(fn, in_shardings=(*in_shardings, teacher_shardings),
+                           out_shardings=out_shardings, donate_argnums=0)
+    without = jax.jit(lambda s, a, b, c: fn(s, a, b, c), in_shardings=in_shardings,
+                      out_shardings=out_shardings, donate_argnums=0)
+
+  def step(state, a, b, c, teacher_params=None):
     if teacher_params is None:
-      return without(state, rollout, teacher_prompt, teacher_prompt_mask)
-    return with_teacher(state, rollout, teacher_prompt, teacher_prompt_mask, teacher_params)
+      return without(state, a, b, c)
+    return with_teacher(state, a, b, c, teacher_params)
 
   return step

@@ -50,10 +50,10 @@ class MetricLog:
     os.replace(tmp, self.path)
 
   def write(self, stage: str, step: int, metrics: dict):
-    row = {"stage": stage, "step": int(step),
-           **{k: float(np.asarray(v)) for k, v in metrics.items()}}
     if not self.writes:
       return
+    row = {"stage": stage, "step": int(step),
+           **{k: float(np.asarray(v)) for k, v in metrics.items()}}
     with open(self.path, "a") as f:
       f.write(json.dumps(row) + "\n")
     for k, v in row.items():

@@ -303,9 +303,10 @@ def host_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array, prompt
   `TokenBM25Retriever`), else to `retrieve` as decoded text. A `RetrievalError` becomes a
   failure observation and is counted in `Rollout.search_failures`; the episode goes on. A
   document is encoded only as far as an observation can show it (`max_observation_tokens - 2`
-  tokens), so a 10 MB document costs what a short one does. The reward is text-level: SQuAD exact match of the last `<answer>` in the decoded action tokens.
-  Arguments as in `ingraph_rollout`, plus `encode`/`decode` (the policy's tokenizer) and the
-  gold answers as strings.
+  tokens), so a 10 MB document costs what a short one does. The reward is text-level: SQuAD
+  exact match of the last `<answer>` in the decoded action tokens. Arguments as in
+  `ingraph_rollout`, plus `encode`/`decode` (the policy's tokenizer) and the gold answers as
+  strings.
   """
   ep = _start(sampler, env, params, prompts, prompt_mask)
   doc_limit = env.max_observation_tokens - 2  # the most document tokens an observation shows

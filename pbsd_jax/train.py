@@ -182,14 +182,8 @@ def make_rl_iteration(sampler: Sampler, env: AgentEnv, model: ModelConfig,
     return jax.jit(step, donate_argnums=0)
   state_sh = train_state.train_state_shardings(model, tx, mesh)
   rows, whole = sharding.batch_sharding(mesh), sharding.replicated(mesh)
-  with_teacher = jax.jit(step, in_shardings=(state_sh, whole, rows, rows, state_sh.params),
-                         out_shardings=(state_sh, rows, whole), donate_argnums=0)
-  without = jax.jit(lambda s, i, b, g: step(s, i, b, g),
-                    in_shardings=(state_sh, whole, rows, rows),
-                    out_shardings=(state_sh, rows, whole), donate_argnums=0)
-  return lambda state, index, batch, group_ids, teacher_params=None: (
-      without(state, index, batch, group_ids) if teacher_params is None
-      else with_teacher(state, index, batch, group_ids, teacher_params))
+  return learner.jit_with_optional_teacher(step, (state_sh, whole, rows, rows), state_sh.params,
+                                           (state_sh, rows, whole))
 
 
 def retrieval_metrics(before: dict, after: dict) -> dict:

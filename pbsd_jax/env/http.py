@@ -216,8 +216,9 @@ class HttpRetriever:
 
   A call makes at most `1 + max_retries` attempts; before retry `i` (0-based) it sleeps
   `backoff_s * 2**i`. Retried: connection errors (a response cut short included), timeouts,
-  5xx. Not retried (a retry cannot help): 4xx and malformed responses. A call that fails raises `RetrievalError` whose reason
-  starts with "retrieval service unavailable" (retryable failures) or names the bad answer.
+  5xx. Not retried (a retry cannot help): 4xx and malformed responses. A call that fails
+  raises `RetrievalError` whose reason starts with "retrieval service unavailable" (retryable
+  failures) or names the bad answer.
   """
 
   def __init__(self, url: str, timeout_s: float = 10.0, max_retries: int = 3,
