@@ -95,23 +95,44 @@ def sft_stage(config, task: Task, model: ModelConfig, workdir: str, log: MetricL
     if int(state.step) >= steps:
       return state
     records = task.splits["sft"][:config.sft.max_examples or None]
-    tokens, mask, action = sft_sequences(task, records, config, model)
+    rows, sequences = _local_sft_sequences(config, task, model, records, mesh)
     step_fn = learner.make_sft_step(model, tx, learner.UpdatePlan(
         chunk_size=config.rl.chunk_size or None), mesh=mesh)
     with checkpoint.PreemptionGuard() as guard:
       for step in progress(range(int(state.step), steps), desc="sft", initial=int(state.step),
                            total=steps):
-        rows = np.random.default_rng([config.seed, step]).choice(
-            len(tokens), config.sft.batch_size, replace=False)
-        rows = rows[sharding.process_batch_rows(len(rows), mesh)]  # this process's
-        batch = sharding.shard_process_local_batch((tokens[rows], mask[rows], action[rows]),
-                                                   mesh, config.sft.batch_size)
+        batch = sharding.shard_process_local_batch(
+            tuple(x[rows[step]] for x in sequences), mesh, config.sft.batch_size)
         state, metrics = step_fn(state, *batch)
         log.write("sft", step + 1, metrics)
         ckpt.save(state, {"stage": "sft", "step": step + 1}, force=step + 1 == steps)
         if guard.save_if_requested(ckpt, state, {"stage": "sft", "step": step + 1}):
           raise SystemExit("preempted: saved the SFT state")
   return state
+
+
+def _local_sft_sequences(config, task: Task, model: ModelConfig, records: list[dict],
+                         mesh: Mesh) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+  """This process's rows of every SFT step and their oracle sequences, replayed once.
+
+  Step s draws `config.sft.batch_size` records seeded by `(seed, s)`; the process feeds its
+  block of them (`process_batch_rows`). Only the records some step of this process feeds are
+  replayed, and the sequences are padded to the longest over all processes, so every
+  process's arrays have one width. Returns `rows[s]`, indices into the sequences, and the
+  `(tokens, mask, action_mask)` of `sft_sequences`.
+  """
+  size = config.sft.batch_size
+  local = sharding.process_batch_rows(size, mesh)
+  drawn = np.stack([np.random.default_rng([config.seed, step]).choice(
+      len(records), size, replace=False)[local] for step in range(config.sft.steps)])
+  needed, rows = np.unique(drawn, return_inverse=True)
+  sequences = sft_sequences(task, [records[i] for i in needed], config, model)
+  width = sequences[0].shape[1]
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    width = int(np.max(multihost_utils.process_allgather(np.int32(width))))
+  pad = ((0, 0), (0, width - sequences[0].shape[1]))
+  return rows.reshape(drawn.shape), tuple(np.pad(x, pad) for x in sequences)
 
 
 def ingraph_rollout_fn(sampler: Sampler, env: AgentEnv, index: Any) -> RolloutFn:
