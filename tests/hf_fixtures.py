@@ -51,6 +51,18 @@ CASES = {
                                      tie_word_embeddings=True)),
     "llama_attention_bias": ("llama", dict(num_key_value_heads=2, rope_theta=1e4,
                                            attention_bias=True, tie_word_embeddings=False)),
+    # Scaled RoPE over an original context of 8 positions, so that the 12-token rows reach past
+    # it: Llama 3.1's frequency bands, and Qwen3's YaRN (with its cos / sin multiplier) plus
+    # attention_bias (q/k/v and output biases).
+    "llama31_rope": ("llama", dict(num_key_value_heads=2, tie_word_embeddings=True,
+                                   rope_parameters=dict(
+                                       rope_type="llama3", rope_theta=1e4, factor=8.0,
+                                       low_freq_factor=1.0, high_freq_factor=4.0,
+                                       original_max_position_embeddings=8))),
+    "qwen3_yarn_bias": ("qwen3", dict(num_key_value_heads=2, head_dim=16, attention_bias=True,
+                                      tie_word_embeddings=False, rope_parameters=dict(
+                                          rope_type="yarn", rope_theta=1e4, factor=4.0,
+                                          original_max_position_embeddings=8))),
 }
 
 
@@ -59,34 +71,27 @@ def hf_config(case: str) -> transformers.PretrainedConfig:
   return transformers.AutoConfig.for_model(model_type, **{**_BASE, **overrides})
 
 
-def randomize_(model: torch.nn.Module, seed: int, zero_output_bias: bool = True) -> None:
-  """Noise on every parameter: norm scales 1 + 0.2 N(0,1), everything else 0.2 N(0,1).
-
-  `zero_output_bias` zeroes Llama's o_proj bias (our model has none; a nonzero one must be
-  rejected at load, which the tests check with `zero_output_bias=False`).
-  """
+def randomize_(model: torch.nn.Module, seed: int) -> None:
+  """Noise on every parameter: norm scales 1 + 0.2 N(0,1), everything else 0.2 N(0,1)."""
   generator = torch.Generator().manual_seed(seed)
   with torch.no_grad():
     for name, param in model.named_parameters():
       noise = 0.2 * torch.randn(param.shape, generator=generator)
       param.copy_(1.0 + noise if name.endswith("norm.weight") else noise)
-      if zero_output_bias and name.endswith("o_proj.bias"):
-        param.zero_()
 
 
-def make_model(case: str, seed: int = 0, zero_output_bias: bool = True):
+def make_model(case: str, seed: int = 0):
   """A random f32 eager-attention model of `case`, in eval mode."""
   torch.manual_seed(seed)
   model = transformers.AutoModelForCausalLM.from_config(
       hf_config(case), dtype=torch.float32, attn_implementation="eager")
-  randomize_(model, seed, zero_output_bias)
+  randomize_(model, seed)
   return model.eval()
 
 
-def write_checkpoint(case: str, path: str, seed: int = 0, max_shard_size: str = "5GB",
-                     zero_output_bias: bool = True):
+def write_checkpoint(case: str, path: str, seed: int = 0, max_shard_size: str = "5GB"):
   """`save_pretrained` of `make_model(case)` into `path`; returns the torch model."""
-  model = make_model(case, seed, zero_output_bias)
+  model = make_model(case, seed)
   model.save_pretrained(path, max_shard_size=max_shard_size)
   return model
 

@@ -4,6 +4,7 @@ The torch-backed tests need the `hf` extra (torch, transformers); the rest (roun
 own params, config mapping, errors) run without it.
 """
 
+import dataclasses
 import functools
 import importlib.util
 import json
@@ -18,8 +19,8 @@ from safetensors import safe_open
 
 from pbsd_jax import sharding
 from pbsd_jax.models import hf, hf_config, safetensors_io
-from pbsd_jax.models.config import ModelConfig
-from pbsd_jax.models.transformer import param_axes, param_shapes
+from pbsd_jax.models.config import ModelConfig, RopeScaling
+from pbsd_jax.models.transformer import param_axes, param_shapes, rope_frequencies
 from pbsd_jax.sampling import Sampler
 
 try:
@@ -202,22 +203,41 @@ def test_fused_expert_tensors_load_like_per_expert_tensors(checkpoints, tmp_path
 
 
 @requires_torch
-def test_llama_with_qkv_bias_exports_as_qwen2_by_default(checkpoints, tmp_path):
+def test_attention_bias_loads_the_output_bias_and_exports_as_the_same_family(checkpoints,
+                                                                             tmp_path):
   path, model = checkpoints["llama_attention_bias"]
   config, params = _loaded(path)
+  assert config.qkv_bias and config.o_bias
+  np.testing.assert_array_equal(
+      params["layers"]["attn"]["o_bias"][1],
+      model.state_dict()["model.layers.1.self_attn.o_proj.bias"].numpy())
   hf.save(config, params, str(tmp_path))
-  assert json.load(open(tmp_path / hf_config.CONFIG_FILE))["architectures"] == [hf_config.QWEN2]
-  tokens, mask = _tokens_with_left_padding()
-  np.testing.assert_allclose(
-      hf_fixtures.torch_logits(hf_fixtures.from_pretrained(str(tmp_path)), tokens, mask)[mask],
-      hf_fixtures.torch_logits(model, tokens, mask)[mask], atol=1e-5, rtol=0)
+  assert json.load(open(tmp_path / hf_config.CONFIG_FILE))["architectures"] == [hf_config.LLAMA]
+  without = config.replace(qkv_bias=True, o_bias=False)  # q/k/v biases only: Qwen2's
+  assert hf_config.default_architecture(without) == hf_config.QWEN2
+  with pytest.raises(ValueError, match="o_bias=False differ"):
+    hf_config.config_to_hf(without, hf_config.LLAMA)
 
 
 @requires_torch
-def test_nonzero_output_projection_bias_is_rejected(tmp_path):
-  hf_fixtures.write_checkpoint("llama_attention_bias", str(tmp_path), zero_output_bias=False)
-  with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.o_proj\.bias is nonzero"):
-    hf.load(str(tmp_path))
+@pytest.mark.parametrize("case, scaling", [("llama31_rope", "llama3"),
+                                           ("qwen3_yarn_bias", "yarn")])
+def test_scaled_rope_changes_the_logits_it_matches(checkpoints, case, scaling):
+  """The scaled cases are not plain RoPE in disguise: dropping the scaling moves the logits
+  by far more than the 1e-4 they match transformers to; so does dropping YaRN's multiplier."""
+  config, params = _loaded(checkpoints[case][0])
+  assert config.rope_scaling.kind == scaling
+  tokens, mask = _tokens_with_left_padding()
+  ours = np.asarray(hf_fixtures.forward_logits(config, params, tokens, mask))
+  plain = np.asarray(hf_fixtures.forward_logits(config.replace(rope_scaling=None), params,
+                                                tokens, mask))
+  assert np.abs(ours - plain)[mask].max() > 1e-2
+  if scaling == "yarn":
+    assert config.rope_scaling.attention_factor == pytest.approx(0.1 * np.log(4.0) + 1.0)
+    unscaled = config.replace(rope_scaling=config.rope_scaling.__class__(
+        **{**dataclasses.asdict(config.rope_scaling), "attention_factor": 1.0}))
+    assert np.abs(ours - np.asarray(hf_fixtures.forward_logits(
+        unscaled, params, tokens, mask)))[mask].max() > 1e-2
 
 
 # Round trips of our own params: no torch needed.
@@ -230,6 +250,13 @@ _OWN_CONFIGS = {
     "qwen3_moe": ModelConfig(vocab_size=64, hidden_size=32, num_heads=2, num_kv_heads=2,
                              head_dim=24, mlp_dim=48, qk_norm=True, num_experts=3,
                              num_experts_per_tok=2, expert_mlp_dim=8, norm_topk_prob=False),
+    "llama31_bias": ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, num_kv_heads=2,
+                                mlp_dim=48, qkv_bias=True, o_bias=True, rope_theta=5e5,
+                                rope_scaling=RopeScaling("llama3", 8.0, 8192, 1.0, 4.0)),
+    "qwen3_yarn": ModelConfig(vocab_size=64, hidden_size=32, num_heads=4, num_kv_heads=2,
+                              head_dim=16, mlp_dim=48, qk_norm=True, rope_theta=1e6,
+                              rope_scaling=RopeScaling("yarn", 4.0, 32768, beta_fast=16.0,
+                                                       attention_factor=1.2, truncate=False)),
 }
 
 
@@ -331,8 +358,13 @@ _LLAMA = hf_config.config_to_hf(_OWN_CONFIGS["llama_bf16"])
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_type='llama3'"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6}}, "rope_type='yarn'"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type='dynamic'"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e6}}, "rope_type='longrope'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0,
+                       "original_max_position_embeddings": 8192}},
+     "rope_scaling.low_freq_factor"),
+    ({"rope_scaling": {"rope_type": "yarn"}, "max_position_embeddings": None},
+     "original_max_position_embeddings"),
     ({"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1},
      "sliding-window"),
     ({"layer_types": ["full_attention", "sliding_attention"]}, "sliding-window"),
@@ -359,6 +391,49 @@ def test_rope_theta_is_read_from_v5_rope_parameters():
   config = hf_config.config_from_hf({**_LLAMA, "rope_theta": None,
                               "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}})
   assert config.rope_theta == 5e5
+
+
+def test_scaled_rope_reads_the_same_from_v4_and_v5_fields():
+  llama31 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+             "original_max_position_embeddings": 8192}
+  v4 = hf_config.config_from_hf({**_LLAMA, "rope_theta": 5e5,
+                                 "rope_scaling": {"rope_type": "llama3", **llama31}})
+  v5 = hf_config.config_from_hf({**_LLAMA, "rope_theta": None, "rope_parameters": {
+      "rope_type": "llama3", "rope_theta": 5e5, **llama31}})
+  assert v4 == v5 and v4.rope_theta == 5e5
+  assert v4.rope_scaling == RopeScaling("llama3", 8.0, 8192, 1.0, 4.0)
+  # YaRN: the factor from the context lengths when absent, the multiplier from mscale.
+  yarn = hf_config.config_from_hf({**_LLAMA, "max_position_embeddings": 131072, "rope_scaling": {
+      "type": "yarn", "original_max_position_embeddings": 32768, "mscale": 2.0,
+      "mscale_all_dim": 1.0}})
+  assert yarn.rope_scaling.factor == 4.0
+  assert yarn.rope_scaling.attention_factor == pytest.approx(
+      (0.2 * np.log(4.0) + 1.0) / (0.1 * np.log(4.0) + 1.0))
+
+
+@requires_torch
+@pytest.mark.parametrize("name", ["llama31_bias", "qwen3_yarn"])
+def test_rope_frequencies_equal_transformers_at_a_real_head_dim(name):
+  import transformers
+  from transformers import modeling_rope_utils
+  config = _OWN_CONFIGS[name].replace(head_dim=128)
+  hf = hf_config.config_to_hf(config)
+  theirs, scale = modeling_rope_utils.ROPE_INIT_FUNCTIONS[config.rope_scaling.kind](
+      transformers.AutoConfig.for_model(hf.pop("model_type"), **hf), "cpu")
+  ours, our_scale = rope_frequencies(128, config.rope_theta, config.rope_scaling)
+  plain, _ = rope_frequencies(128, config.rope_theta)
+  # The slowest frequencies are divided by the whole factor (8 and 4), the fastest kept.
+  ratio = np.asarray(plain) / theirs.numpy()
+  assert ratio[0] == 1.0 and ratio[-1] == pytest.approx(config.rope_scaling.factor)
+  np.testing.assert_allclose(np.asarray(ours), theirs.numpy(), rtol=1e-6, atol=0)
+  assert our_scale == pytest.approx(scale)
+
+
+def test_scaled_rope_and_output_bias_survive_model_config_json(tmp_path):
+  from pbsd_jax import policy_checkpoint
+  for config in (_OWN_CONFIGS["llama31_bias"], _OWN_CONFIGS["qwen3_yarn"]):
+    path = policy_checkpoint.save_model_config(str(tmp_path), config)
+    assert policy_checkpoint.load_model_config(path) == config
 
 
 def test_save_rejects_an_architecture_that_cannot_hold_the_config(tmp_path):

@@ -12,12 +12,48 @@ import jax.numpy as jnp
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
+ROPE_TYPES = ("llama3", "yarn")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Scaled RoPE frequencies, as Hugging Face's `rope_scaling` / `rope_parameters`.
+
+  `llama3` (Llama 3.1 / 3.2): wavelengths longer than `original_max_positions /
+  low_freq_factor` are divided by `factor`, shorter than `original_max_positions /
+  high_freq_factor` kept, and the ones between interpolated. `yarn` (Qwen3 long context):
+  frequencies ramp from kept (faster than `beta_fast` rotations over the original context) to
+  divided by `factor` (slower than `beta_slow`), and cos / sin are multiplied by
+  `attention_factor` (resolved from `factor` / `mscale` when the checkpoint is read).
+  """
+
+  kind: str
+  factor: float
+  original_max_positions: int
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  beta_fast: float = 32.0
+  beta_slow: float = 1.0
+  attention_factor: float = 1.0
+  truncate: bool = True
+
+  def __post_init__(self):
+    if self.kind not in ROPE_TYPES:
+      raise ValueError(f"RopeScaling.kind must be one of {ROPE_TYPES}, got {self.kind!r}")
+    if self.factor <= 0 or self.original_max_positions <= 0:
+      raise ValueError(f"RopeScaling.factor and original_max_positions must be positive, got "
+                       f"{self.factor} and {self.original_max_positions}")
+    if self.kind == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+      raise ValueError(f"RopeScaling.high_freq_factor={self.high_freq_factor} must exceed "
+                       f"low_freq_factor={self.low_freq_factor}")
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Sizes and switches of the decoder-only transformer.
 
-  Family switches: Llama = defaults; Qwen2 = `qkv_bias=True`; Qwen3 = `qk_norm=True` with an
+  Family switches: Llama = defaults (`attention_bias`: `qkv_bias` and `o_bias`); Qwen2 =
+  `qkv_bias=True`; Qwen3 = `qk_norm=True` with an
   explicit `head_dim` (may differ from `hidden_size // num_heads`); Qwen3-MoE = Qwen3 plus
   `num_experts > 0`.
   """
@@ -30,8 +66,10 @@ class ModelConfig:
   head_dim: int | None = None  # None: hidden_size // num_heads.
   mlp_dim: int = 128
   rope_theta: float = 10_000.0
+  rope_scaling: RopeScaling | None = None
   rms_norm_eps: float = 1e-6
   qkv_bias: bool = False
+  o_bias: bool = False  # Llama / Qwen3 `attention_bias` also biases the output projection.
   qk_norm: bool = False
   tie_embeddings: bool = False
   # Mixture of experts (Qwen3-MoE style); num_experts == 0 means a dense SwiGLU MLP.
@@ -46,6 +84,8 @@ class ModelConfig:
   remat: bool = False
 
   def __post_init__(self):
+    if isinstance(self.rope_scaling, dict):  # as read back from JSON
+      object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
     positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
                 "mlp_dim")
     for name in positive:

@@ -74,13 +74,8 @@ def load(path: str, *, mesh: jax.sharding.Mesh | None = None, rules: Any = None,
   """
   with open(os.path.join(path, hf_config.CONFIG_FILE)) as f:
     hf = json.load(f)
-  arch = hf_config.architecture_of(hf)
   config = hf_config.config_from_hf(hf, param_dtype, dtype)
   checkpoint = safetensors_io.SafetensorsCheckpoint(path)
-  for name in hf_layout.output_bias_names(config, arch):
-    if np.any(checkpoint.tensor(name, (config.hidden_size,))[:]):
-      raise ValueError(f"tensor {name} is nonzero: an output-projection bias is not "
-                       "representable in ModelConfig")
   fused = "model.layers.0.mlp.experts.gate_up_proj" in checkpoint
   target = jnp.dtype(config.jnp_param_dtype)
   placement = _placement(config, mesh, rules, shardings)
@@ -107,15 +102,12 @@ def _to_host(array: Any) -> np.ndarray:
   return np.asarray(array)
 
 
-def _hf_entries(config: ModelConfig, arch: str) -> list[tuple[str, tuple, tuple, Any]]:
-  """(hf_name, shape, stack index, our parameter path or None for a zero o_proj bias), in
-  file order."""
+def _hf_entries(config: ModelConfig) -> list[tuple[str, tuple, tuple, Any]]:
+  """(hf_name, shape, stack index, our parameter path), in file order."""
   entries = []
   for path_keys, layout in hf_layout.layouts(config).items():
     for ids in itertools.product(*(range(n) for n in layout.stack)):
       entries.append((layout.hf_name(ids), layout.expected_hf_shape, ids, path_keys))
-  for name in hf_layout.output_bias_names(config, arch):
-    entries.append((name, (config.hidden_size,), (), None))
   return sorted(entries, key=lambda entry: entry[0])
 
 
@@ -146,7 +138,7 @@ def save(config: ModelConfig, params: Any, path: str, *, architecture: str | Non
       raise ValueError(f"params {'/'.join(path_keys)} has shape {tuple(leaf.shape)}, "
                        f"expected {layout.shape}")
   dtype = np.dtype(config.jnp_param_dtype)
-  entries = _hf_entries(config, arch)
+  entries = _hf_entries(config)
   shards = [[entries[i] for i in shard] for shard in safetensors_io.plan_shards(
       [math.prod(shape) * dtype.itemsize for _, shape, _, _ in entries], max_shard_size)]
   writer = jax.process_index() == 0
@@ -158,12 +150,9 @@ def save(config: ModelConfig, params: Any, path: str, *, architecture: str | Non
   for file_name, shard in zip(safetensors_io.shard_file_names(len(shards)), shards):
     tensors = {}
     for hf_name, shape, ids, path_keys in shard:
-      if path_keys is None:
-        tensors[hf_name] = np.zeros(shape, dtype)
-      else:
-        leaf = _get_path(params, path_keys)
-        block = _to_host(leaf[ids] if ids else leaf)
-        tensors[hf_name] = layouts[path_keys].to_hf(block).astype(dtype)
+      leaf = _get_path(params, path_keys)
+      block = _to_host(leaf[ids] if ids else leaf)
+      tensors[hf_name] = layouts[path_keys].to_hf(block).astype(dtype)
       weight_map[hf_name] = file_name
       total += tensors[hf_name].nbytes
     if writer:

@@ -20,7 +20,6 @@ import numpy as np
 
 from pbsd_jax.models import safetensors_io
 from pbsd_jax.models.config import ModelConfig
-from pbsd_jax.models.hf_config import QWEN2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,6 +125,9 @@ def layouts(config: ModelConfig, fused_experts: bool = False) -> dict[tuple[str,
     if c.qkv_bias:
       out[("layers", "attn", f"{proj}_bias")] = Layout(
           layer + f"self_attn.{proj}_proj.bias", (l,), ((heads, hd),), (0, 1))
+  if c.o_bias:
+    out[("layers", "attn", "o_bias")] = Layout(layer + "self_attn.o_proj.bias", (l,), ((d,),),
+                                               (0,))
   if c.qk_norm:
     for proj in ("q", "k"):
       out[("layers", "attn", f"{proj}_norm", "scale")] = Layout(
@@ -155,10 +157,3 @@ def layouts(config: ModelConfig, fused_experts: bool = False) -> dict[tuple[str,
   out[("layers", "moe", "down_kernel")] = Layout(expert + "down_proj.weight", (l, e),
                                                  ((d,), (me,)), (1, 0))
   return out
-
-
-def output_bias_names(config: ModelConfig, arch: str) -> list[str]:
-  """Llama/Qwen3 `attention_bias` also adds an o_proj bias, which our model does not have."""
-  if arch == QWEN2 or not config.qkv_bias:
-    return []
-  return [f"model.layers.{i}.self_attn.o_proj.bias" for i in range(config.num_layers)]

@@ -21,10 +21,12 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import math
+
 import numpy as np
 from flax import struct
 
-from pbsd_jax.models.config import ModelConfig
+from pbsd_jax.models.config import ModelConfig, RopeScaling
 
 Array = jax.Array
 _INIT = nn.initializers.normal(stddev=0.02)
@@ -81,12 +83,47 @@ def positions_from_mask(mask: Array, offset: Array | int = 0) -> Array:
   return jnp.maximum(counts, 0) + jnp.asarray(offset, jnp.int32).reshape(-1, 1)
 
 
-def apply_rope(x: Array, positions: Array, theta: float) -> Array:
-  """Rotary embedding, half-split layout (as in Hugging Face Llama/Qwen). x: [B, T, H, D]."""
-  half = x.shape[-1] // 2
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, half, dtype=jnp.float32) * 2 / x.shape[-1]))
+def rope_frequencies(head_dim: int, theta: float, scaling: RopeScaling | None = None
+                     ) -> tuple[Array, float]:
+  """`(inv_freq f32[head_dim / 2], cos/sin multiplier)` of plain or scaled RoPE, computed as
+  Hugging Face's `modeling_rope_utils` does."""
+  dims = jnp.arange(0, head_dim // 2, dtype=jnp.float32) * 2 / head_dim
+  inv_freq = 1.0 / (theta ** dims)
+  s = scaling
+  if s is None:
+    return inv_freq, 1.0
+  if s.kind == "llama3":
+    wavelen = 2 * math.pi / inv_freq
+    scaled = jnp.where(wavelen > s.original_max_positions / s.low_freq_factor,
+                       inv_freq / s.factor, inv_freq)
+    smooth = ((s.original_max_positions / wavelen - s.low_freq_factor)
+              / (s.high_freq_factor - s.low_freq_factor))
+    medium = ((wavelen >= s.original_max_positions / s.high_freq_factor)
+              & (wavelen <= s.original_max_positions / s.low_freq_factor))
+    return jnp.where(medium, (1 - smooth) * scaled / s.factor + smooth * scaled, scaled), 1.0
+
+  def correction_dim(rotations):  # the dimension that turns `rotations` times in the context
+    return (head_dim * math.log(s.original_max_positions / (rotations * 2 * math.pi))
+            / (2 * math.log(theta)))
+
+  low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+  if s.truncate:
+    low, high = math.floor(low), math.ceil(high)
+  low, high = max(low, 0), min(high, head_dim - 1)
+  ramp = jnp.clip((jnp.arange(head_dim // 2, dtype=jnp.float32) - low)
+                  / (high - low if high != low else 0.001), 0, 1)
+  keep = 1 - ramp  # 1: the original frequency (extrapolation); 0: divided by the factor
+  interpolated = 1.0 / (s.factor * theta ** dims)
+  return interpolated * (1 - keep) + inv_freq * keep, s.attention_factor
+
+
+def apply_rope(x: Array, positions: Array, inv_freq: Array, scale: float = 1.0) -> Array:
+  """Rotary embedding, half-split layout (as in Hugging Face Llama/Qwen). x: [B, T, H, D];
+  `inv_freq, scale` from `rope_frequencies`."""
   angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
   cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+  if scale != 1.0:
+    cos, sin = cos * scale, sin * scale
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x.dtype)
@@ -181,7 +218,8 @@ class Attention(nn.Module):
     if c.qk_norm:
       q = RMSNorm(c, "head_dim", name="q_norm")(q)
       k = RMSNorm(c, "head_dim", name="k_norm")(k)
-    q, k = apply_rope(q, positions, c.rope_theta), apply_rope(k, positions, c.rope_theta)
+    inv_freq, scale = rope_frequencies(hd, c.rope_theta, c.rope_scaling)
+    q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
 
     k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, kv_heads, T, head_dim]
     if cache is None:
@@ -229,6 +267,9 @@ class Attention(nn.Module):
     out = out.reshape(b, t, h, hd)
     o_kernel = _param(self, "o_kernel", (h, hd, c.hidden_size), ("heads", "head_dim", "embed"))
     out = dense(out, o_kernel.astype(dt), axes=2)
+    if c.o_bias:
+      out = out + _param(self, "o_bias", (c.hidden_size,), ("embed",),
+                         nn.initializers.zeros).astype(dt)
     return out, new_cache
 
 
