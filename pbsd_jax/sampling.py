@@ -16,7 +16,9 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
+from pbsd_jax import stop_strings as stop_strings_lib
 from pbsd_jax.models import KVCache, ModelConfig, Transformer
+from pbsd_jax.stop_strings import StopStrings
 
 Array = jax.Array
 
@@ -62,7 +64,8 @@ class DecodeResult:
     num_new: `i32[B]` tokens sampled in this call.
     stop_reason: `i32[B]` one of STOP_BUDGET, STOP_EOS, STOP_SEQUENCE, STOP_BUFFER_FULL, or
       RUNNING for rows that were inactive or hit `max_steps`.
-    stop_index: `i32[B]` which stop sequence matched (-1 if none).
+    stop_index: `i32[B]` which stop matched (-1 if none): the stop sequences' indices, then
+      the stop strings' (after the sequences).
   """
 
   num_new: Array
@@ -80,6 +83,8 @@ class DecodeCarry:
     recent: `i32[B, L]` each row's last L tokens sampled in this call, L the longest stop
       sequence; -2 where nothing was sampled yet, so a stop never matches across calls.
     step: `i32[]` steps taken; step s draws with `fold_in(rng, s)`.
+    string_state: `i32[B, n]` each row's automaton state per stop string
+      (`stop_strings.advance`); `[B, 0]` without stop strings.
 
   The rows that sample in the call (`active`) are a constant of the loop, not carried.
   """
@@ -88,6 +93,7 @@ class DecodeCarry:
   result: DecodeResult
   recent: Array
   step: Array
+  string_state: Array
 
 
 def stop_sequence_array(stops: list[list[int]], batch: int | None = None) -> Array:
@@ -238,8 +244,9 @@ class Sampler:
 
   @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("max_steps", "eos_id"))
   def decode(self, params, state: DecodeState, rng: Array, budget: Array,
-             stop_sequences: Array | None = None, active: Array | None = None, *,
-             max_steps: int, eos_id: int | None = None) -> tuple[DecodeState, DecodeResult]:
+             stop_sequences: Array | None = None, active: Array | None = None,
+             stop_strings: StopStrings | None = None, *, max_steps: int,
+             eos_id: int | None = None) -> tuple[DecodeState, DecodeResult]:
     """Samples until every active row stops (or `max_steps` steps), one token per step.
 
     Args:
@@ -250,6 +257,8 @@ class Sampler:
       stop_sequences: `i32[n, L]` or per-row `i32[B, n, L]` from `stop_sequence_array`; a
         row stops right after the last token of a matching stop.
       active: `bool[B]` rows that sample (default all).
+      stop_strings: a row stops right after the token that completes one of these strings in
+      the text sampled in this call, however the vocabulary splits it (`stop_strings.build`).
       max_steps: static bound on the loop (a budget larger than it is cut to it).
       eos_id: a row stops right after sampling this id (None: no end-of-sequence stop).
 
@@ -258,8 +267,8 @@ class Sampler:
     """
     b = state.tokens.shape[0]
     active = jnp.ones((b,), bool) if active is None else active.astype(bool)
-    if stop_sequences is None:
-      stop_sequences = jnp.full((b, 1, 1), -1, jnp.int32)  # all-wildcard: no stop
+    if stop_sequences is None:  # none, or one all-wildcard sequence that never stops
+      stop_sequences = jnp.full((b, 1 if stop_strings is None else 0, 1), -1, jnp.int32)
     elif stop_sequences.ndim == 2:
       stop_sequences = jnp.broadcast_to(stop_sequences, (b, *stop_sequences.shape))
     start = DecodeCarry(
@@ -267,7 +276,9 @@ class Sampler:
         result=DecodeResult(num_new=jnp.zeros((b,), jnp.int32),
                             stop_reason=jnp.where(active & (budget <= 0), STOP_BUDGET, RUNNING),
                             stop_index=jnp.full((b,), -1, jnp.int32)),
-        recent=jnp.full((b, stop_sequences.shape[-1]), -2, jnp.int32), step=jnp.int32(0))
+        recent=jnp.full((b, stop_sequences.shape[-1]), -2, jnp.int32), step=jnp.int32(0),
+        string_state=(jnp.zeros((b, 0), jnp.int32) if stop_strings is None else
+                      stop_strings_lib.start_state(stop_strings, b)))
 
     def live(carry: DecodeCarry) -> Array:
       """`bool[B]` rows that sample at this step: active and not stopped."""
@@ -293,6 +304,11 @@ class Sampler:
                          jnp.concatenate([carry.recent[:, 1:], token[:, None]], 1), carry.recent)
       matches = jnp.all((stop_sequences == -1) | (stop_sequences == recent[:, None, :]), -1)
       matches &= jnp.any(stop_sequences != -1, axis=-1)
+      string_state = carry.string_state
+      if stop_strings is not None:
+        advanced, occurred = stop_strings_lib.advance(stop_strings, string_state, token)
+        string_state = jnp.where(live_rows[:, None], advanced, string_state)
+        matches = jnp.concatenate([matches, occurred], axis=-1)
       num_new = res.num_new + live_rows
       is_eos = (token == eos_id) if eos_id is not None else jnp.zeros((b,), bool)
       reason = jnp.select(
@@ -303,19 +319,21 @@ class Sampler:
           stop_reason=jnp.where(live_rows, reason, res.stop_reason),
           stop_index=jnp.where(live_rows & jnp.any(matches, -1), jnp.argmax(matches, -1),
                                res.stop_index))
-      return carry.replace(state=st, result=res, recent=recent, step=carry.step + 1)
+      return carry.replace(state=st, result=res, recent=recent, step=carry.step + 1,
+                           string_state=string_state)
 
     end = jax.lax.while_loop(running, body, start)
     return end.state, end.result
 
   def generate(self, params, tokens: Array, mask: Array, rng: Array, max_new_tokens: int,
                stop_sequences: Array | None = None, budget: Array | None = None,
-               eos_id: int | None = None) -> tuple[DecodeState, DecodeResult]:
+               eos_id: int | None = None, stop_strings: StopStrings | None = None
+               ) -> tuple[DecodeState, DecodeResult]:
     """Prefill + one decode: continues left-padded prompts `i32[B, P]` by up to
     `max_new_tokens` tokens (per-row `budget: i32[B]` may lower it)."""
     b, p = tokens.shape
     state = self.prefill(params, tokens, mask, p + max_new_tokens)
     if budget is None:
       budget = jnp.full((b,), max_new_tokens, jnp.int32)
-    return self.decode(params, state, rng, budget, stop_sequences, max_steps=max_new_tokens,
-                       eos_id=eos_id)
+    return self.decode(params, state, rng, budget, stop_sequences, stop_strings=stop_strings,
+                       max_steps=max_new_tokens, eos_id=eos_id)

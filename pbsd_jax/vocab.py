@@ -101,6 +101,75 @@ def tag_ids(vocab: seqio.Vocabulary) -> dict[str, list[int]]:
   return out
 
 
+def token_bytes(vocab: seqio.Vocabulary) -> list[bytes]:
+  """The bytes each token id appends to the decoded text, for `stop_strings.build`.
+
+  Special and added tokens append their own text (as `decode(..., skip_special_tokens=False)`
+  writes them); SentencePiece control tokens append nothing.
+  """
+  if isinstance(vocab, HfTokenizerVocabulary):
+    pieces = _tokenizer_bytes(vocab.tokenizer)
+  elif isinstance(vocab, seqio.SentencePieceVocabulary):
+    pieces = _sentencepiece_bytes(vocab.tokenizer)
+  else:
+    raise TypeError(f"token_bytes: unsupported vocabulary type {type(vocab).__name__}")
+  return pieces + [b""] * (vocab.vocab_size - len(pieces))
+
+
+def _sentencepiece_bytes(sp: spm.SentencePieceProcessor) -> list[bytes]:
+  out = []
+  for i in range(sp.get_piece_size()):
+    piece = sp.id_to_piece(i)
+    if sp.is_control(i):
+      out.append(b"")
+    elif sp.is_byte(i):  # <0x0A>
+      out.append(bytes([int(piece[3:-1], 16)]))
+    elif sp.is_unknown(i):
+      out.append(" \u2047 ".encode())  # what SentencePiece decodes it as
+    else:
+      out.append(piece.replace("\u2581", " ").encode())
+  return out
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+  """GPT-2's byte -> printable character map, inverted (ByteLevel pre-tokenizer/decoder)."""
+  printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+  chars, extra = {}, 0
+  for b in range(256):
+    if b in printable:
+      chars[chr(b)] = b
+    else:
+      chars[chr(256 + extra)] = b
+      extra += 1
+  return chars
+
+
+def _tokenizer_bytes(tokenizer: tokenizers.Tokenizer) -> list[bytes]:
+  """Token bytes of a `tokenizers` model with a ByteLevel or SentencePiece-style decoder."""
+  spec = json.loads(tokenizer.to_str()).get("decoder") or {}
+  kinds = [d.get("type") for d in spec.get("decoders", [spec])]
+  byte_level = "ByteLevel" in kinds
+  spaces = bool({"Metaspace", "Replace"} & set(kinds))  # SentencePiece's word-start marker
+  known = {"ByteLevel", "Metaspace", "Replace", "ByteFallback", "Fuse", "Strip"}
+  if set(kinds) - known or not (byte_level or spaces):
+    raise ValueError(f"tokenizer decoder {kinds} is not supported for stop strings (ByteLevel "
+                     "or SentencePiece-style Metaspace / Replace + ByteFallback)")
+  alphabet = _byte_level_alphabet()
+  added = {i: t.content for i, t in tokenizer.get_added_tokens_decoder().items()}
+  out = []
+  for i in range(tokenizer.get_vocab_size(with_added_tokens=True)):
+    piece = tokenizer.id_to_token(i)
+    if i in added or piece is None:
+      out.append((added.get(i) or "").encode())
+    elif byte_level:
+      out.append(bytes(alphabet[c] for c in piece))
+    elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+      out.append(bytes([int(piece[3:5], 16)]))
+    else:
+      out.append(piece.replace("\u2581", " ").encode())
+  return out
+
+
 def _special_tokens_from_config(tokenizer_file: str) -> dict[str, str]:
   """`eos_token` / `pad_token` / `unk_token` from a sibling `tokenizer_config.json`."""
   config_file = os.path.join(os.path.dirname(tokenizer_file), "tokenizer_config.json")

@@ -1,0 +1,172 @@
+"""Stop strings on device against a brute-force decode-and-search of the text, over a real
+byte-level BPE vocabulary (trained here by `tokenizers`, protocol tags several tokens each) and
+the embedded task's SentencePiece vocabulary."""
+
+import functools
+import json
+import re
+
+import hypothesis
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import tokenizers
+from hypothesis import strategies as st
+from tokenizers import decoders, models, pre_tokenizers, trainers
+
+from pbsd_jax import stop_strings, vocab as vocab_lib
+from pbsd_jax.env import protocol
+from pbsd_jax.models import ModelConfig, init_params
+from pbsd_jax.sampling import STOP_SEQUENCE, Sampler
+
+STOPS = (protocol.SEARCH_CLOSE, protocol.ANSWER_CLOSE)
+CORPUS = ["<search> Varnhollow founder </search>.", "<answer>Ditu Ponn</answer>\"",
+          "</search>\n<information>Doc 1: Varnhollow was founded by Ditu Ponn.</information>",
+          "I need to search for the founder. <search>founder of Varnhollow</search>",
+          "héllo wörld — «ünïcode» </answer>!", "search answer searching answered >> </ /> <>"]
+
+
+@pytest.fixture(scope="module")
+def bpe(tmp_path_factory):
+  """A Qwen-style byte-level BPE `tokenizer.json` as our `HfTokenizerVocabulary`."""
+  tokenizer = tokenizers.Tokenizer(models.BPE())
+  tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tokenizer.decoder = decoders.ByteLevel()
+  tokenizer.train_from_iterator(CORPUS * 8, trainers.BpeTrainer(
+      vocab_size=420, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+      initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+  path = str(tmp_path_factory.mktemp("bpe") / "tokenizer.json")
+  tokenizer.save(path)
+  return vocab_lib.HfTokenizerVocabulary(path, eos_token="<|im_end|>")
+
+
+def _decode(vocab, ids):
+  """The text as the tokenizer itself decodes it (special tokens written out)."""
+  if isinstance(vocab, vocab_lib.HfTokenizerVocabulary):
+    return vocab.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
+  return vocab.tokenizer.decode([int(i) for i in ids])
+
+
+def _first_stop(vocab, ids, stops=STOPS):
+  """Brute force: the first prefix length whose decoded text contains a stop, and which."""
+  for n in range(1, len(ids) + 1):
+    text = _decode(vocab, ids[:n])
+    found = [i for i, s in enumerate(stops) if s in text]
+    if found:
+      return n, found[0]
+  return None, -1
+
+
+@functools.partial(jax.jit, static_argnums=())
+def _device_first_stop(table, ids):
+  """`advance` over one row's tokens: the first step where a string occurs, and which."""
+  def step(state, token):
+    state, occurred = stop_strings.advance(table, state, token[None])
+    return state, occurred[0]
+  _, occurred = jax.lax.scan(step, stop_strings.start_state(table, 1), ids)
+  hit = jnp.any(occurred, -1)
+  n = jnp.where(jnp.any(hit), jnp.argmax(hit) + 1, -1)
+  return n, jnp.where(jnp.any(hit), jnp.argmax(occurred[jnp.argmax(hit)]), -1)
+
+
+def test_the_protocol_tags_are_several_tokens_in_the_bpe_vocabulary(bpe):
+  for tag in STOPS:
+    assert len(bpe.encode(tag)) > 1, tag
+  # ... and a merge carries a tag's end into the text after it: a token that holds ">" and more.
+  pieces = vocab_lib.token_bytes(bpe)
+  assert any(p.startswith(b">") and len(p) > 1 for p in pieces)
+
+
+def test_token_bytes_concatenate_to_the_decoded_text(bpe, kg):
+  rng = np.random.default_rng(0)
+  for vocab in (bpe, kg.vocab):
+    pieces = vocab_lib.token_bytes(vocab)
+    assert len(pieces) == vocab.vocab_size
+    for _ in range(200):
+      ids = rng.integers(0, vocab.vocab_size, rng.integers(1, 30))
+      ids = [i for i in ids if i not in (vocab.eos_id, vocab.pad_id)]
+      text = b"".join(pieces[i] for i in ids).decode("utf-8", errors="replace")
+      # Tokenizers replace a broken UTF-8 sequence by one or several U+FFFD: compare runs.
+      want = re.sub("\ufffd+", "\ufffd", _decode(vocab, ids)).lstrip(" ")
+      assert re.sub("\ufffd+", "\ufffd", text).lstrip(" ") == want, ids
+
+
+def _sequences(vocab):
+  """Token sequences where tags occur: encoded protocol fragments mixed with random ids."""
+  fragments = [list(vocab.encode(t)) for t in
+               (*STOPS, "</", "search", ">", "answer", "</sea", "rch>", "<search>", " x",
+                "Ditu Ponn", "</search>.", "answer>\"", "<", "/")]
+  piece = st.one_of(st.sampled_from(fragments),
+                    st.lists(st.integers(0, vocab.vocab_size - 1), min_size=1, max_size=3))
+  return st.lists(piece, min_size=1, max_size=12).map(lambda parts: sum(parts, [])[:48])
+
+
+@pytest.mark.parametrize("which", ["bpe", "sentencepiece"])
+def test_the_device_matcher_stops_where_decode_and_search_does(which, bpe, kg):
+  vocab = bpe if which == "bpe" else kg.vocab
+  table = stop_strings.build(vocab_lib.token_bytes(vocab), STOPS)
+  seen = {"stopped": 0, "across_tokens": 0, "never": 0}
+
+  @hypothesis.settings(max_examples=300, deadline=None, database=None,
+                       suppress_health_check=list(hypothesis.HealthCheck))
+  @hypothesis.given(_sequences(vocab))
+  def check(ids):
+    ids = [i for i in ids if i not in (vocab.eos_id, vocab.pad_id)] or [ids[0]]
+    want_n, want_i = _first_stop(vocab, ids)
+    n, i = (int(x) for x in _device_first_stop(table, jnp.asarray(ids, jnp.int32)))
+    assert (n, i) == (want_n or -1, want_i), (ids, _decode(vocab, ids))
+    if want_n is None:
+      seen["never"] += 1
+    else:
+      seen["stopped"] += 1
+      last = _decode(vocab, ids[want_n - 1:want_n])
+      seen["across_tokens"] += STOPS[want_i] not in last
+
+  check()
+  # Both outcomes occurred, and tags completed by a token that does not hold them whole.
+  assert seen["stopped"] > 30 and seen["never"] > 30, seen
+  if which == "bpe":
+    assert seen["across_tokens"] > 10, seen
+
+
+def test_sampling_stops_right_after_the_token_that_completes_a_string(bpe):
+  """Random weights, temperature 1, short stop strings that samples often complete: each row
+  stops exactly where its sampled text first holds one (whole or across tokens, which the
+  matcher test above covers), with that string's index; the other rows use their budget."""
+  stops = ("ar", "in", "e ")
+  table = stop_strings.build(vocab_lib.token_bytes(bpe), stops)
+  config = ModelConfig(vocab_size=bpe.vocab_size, hidden_size=32, num_layers=1, num_heads=2,
+                       num_kv_heads=1, mlp_dim=64)
+  params = init_params(config, jax.random.key(0))
+  rows, budget = 32, 24
+  prompt = jnp.zeros((rows, 1), jnp.int32)
+  state, result = Sampler(config).generate(params, prompt, jnp.ones((rows, 1), bool),
+                                           jax.random.key(1), budget, stop_strings=table)
+  tokens, num_new = np.asarray(state.tokens), np.asarray(result.num_new)
+  reasons, index = np.asarray(result.stop_reason), np.asarray(result.stop_index)
+  for r in range(rows):
+    sampled = tokens[r, 1:1 + num_new[r]].tolist()
+    n, i = _first_stop(bpe, sampled, stops)
+    if reasons[r] == STOP_SEQUENCE:
+      assert (n, i) == (num_new[r], index[r]), (r, _decode(bpe, sampled))
+    else:
+      assert n is None and num_new[r] == budget, (r, _decode(bpe, sampled))
+  stopped = reasons == STOP_SEQUENCE
+  assert 0 < stopped.sum() < rows and len(set(index[stopped])) >= 2, (reasons, index)
+
+
+def test_stop_strings_must_be_non_empty():
+  with pytest.raises(ValueError, match="non-empty"):
+    stop_strings.build([b"a"], ["</search>", ""])
+
+
+def test_an_unsupported_decoder_is_named(tmp_path):
+  tokenizer = tokenizers.Tokenizer(models.WordPiece({"[UNK]": 0, "a": 1}, unk_token="[UNK]"))
+  tokenizer.decoder = decoders.WordPiece()
+  path = str(tmp_path / "tokenizer.json")
+  tokenizer.save(path)
+  spec = json.loads(open(path).read())
+  assert spec["decoder"]["type"] == "WordPiece"
+  with pytest.raises(ValueError, match="WordPiece"):
+    vocab_lib.token_bytes(vocab_lib.HfTokenizerVocabulary(path, eos_token="[UNK]"))
