@@ -79,10 +79,12 @@ def main():
   p.add_argument("--steps", type=int, default=5)
   p.add_argument("--prompts", type=int, default=8)
   p.add_argument("--group", type=int, default=4)
+  p.add_argument("--micro_batch_size", type=int, default=0, help="rl.micro_batch_size")
   args = p.parse_args()
   config = cli.load_config_file(os.path.join(ROOT, "configs", f"{args.algorithm}.py"))
   config.model.name = args.size
   config.rollout.prompts_per_step, config.grpo.group_size = args.prompts, args.group
+  config.rl.micro_batch_size = args.micro_batch_size
   run_config.validate(config)
   with tempfile.TemporaryDirectory() as workdir:
     task = task_lib.prepare_task(config, workdir)
@@ -98,7 +100,7 @@ def main():
         ("one_device", sharding.make_mesh(devices=jax.devices()[:1])), ("mesh_2x2x2", mesh),
         ("mesh_2x1x1", sharding.make_mesh(2, 1, 1, devices=jax.devices()[:2]))]}
   result = {"size": args.size, "algorithm": args.algorithm,
-            "batch": args.prompts * args.group, "one_device_step_s": one["step_s"],
+            "batch": args.prompts * args.group, "micro_batch_size": args.micro_batch_size, "one_device_step_s": one["step_s"],
             "mesh_2x2x2_step_s": eight["step_s"],
             "mesh_over_one_device": eight["step_s"] / one["step_s"],
             "compiles_per_step_one_device": one["compiles_per_step"],

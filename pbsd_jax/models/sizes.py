@@ -8,6 +8,10 @@ SIZES = {
     # CPU: trains in minutes on the embedded task.
     "tiny": dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=512,
                  tie_embeddings=True, rope_theta=10_000.0),
+    # CPU benchmarks: enough work per decode step that it outweighs the per-op dispatch (which
+    # every fake CPU device of a mesh repeats).
+    "small": dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, mlp_dim=2048,
+                  tie_embeddings=True, rope_theta=10_000.0),
     # Accelerator shapes of public checkpoints (weights: scripts/convert_hf.py, then
     # --config.model.init_dir=DIR).
     "qwen2.5-0.5b": dict(vocab_size=151_936, hidden_size=896, num_layers=24, num_heads=14,
