@@ -55,11 +55,13 @@ read -r -a MEMORY_ARGS <<< "${MEMORY_ARGS:-}"
 run memory benchmarks/ours_memory.py --dtype "$DTYPE" "${MEMORY_ARGS[@]}"
 run multiturn benchmarks/ours_multiturn.py "${COMMON[@]}"
 # The training loop itself (scripts/train.py: data, SFT, RL under the config's mesh, here all
-# of this machine's accelerators) on the demo's task and model, a few steps of each stage.
+# of this machine's accelerators) on the demo's task and model, a few steps of each stage,
+# computing in $DTYPE with the library attention (cuDNN flash attention on a GPU in 16 bits).
 echo "== loop: scripts/train.py" >&2
 rm -rf "$OUT/loop"
 "$PY" scripts/train.py --config=configs/demo.py --workdir="$OUT/loop" \
     --config.sft.steps="${LOOP_SFT_STEPS:-40}" --config.rl.steps="${LOOP_RL_STEPS:-4}" \
+    --config.model.attention="${ATTENTION:-dot_product}" --config.model.dtype="$DTYPE" \
     2>&1 | tail -n 3 > "$OUT/loop.log"
 "$PY" - "$OUT/loop/metrics.jsonl" <<'EOF2' | tee -a "$OUT/loop.log"
 import json, sys

@@ -20,8 +20,9 @@ def get_config() -> ml_collections.ConfigDict:
 
   # Model: a size of pbsd_jax/models/sizes.py, or `init_dir`: start from a checkpoint directory
   # (scripts/convert_hf.py output or a train workdir's ckpt_*) with its model_config.json.
+  # attention: "ours" or "dot_product" (jax.nn.dot_product_attention; cuDNN flash on GPU).
   c.model = ml_collections.ConfigDict(dict(name="tiny", init_dir="", param_dtype="float32",
-                                           dtype="float32", remat=False))
+                                           dtype="float32", remat=False, attention="ours"))
 
   # Data: `dir` holds make_data.py output (made there if missing and `make_if_missing`).
   c.data = ml_collections.ConfigDict(dict(dir="", make_if_missing=True, data_seed=0,

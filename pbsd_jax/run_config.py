@@ -111,7 +111,8 @@ def build_model_config(config, vocab_size: int | None = None) -> ModelConfig:
       _fail("model.init_dir", config.model.init_dir,
             f"the model's vocab_size={model.vocab_size} is not the data vocabulary's "
             f"{vocab_size}")
-    return model
+    with naming_fields({"attention": "model.attention"}, "model"):
+      return model.replace(attention=config.model.get("attention", model.attention))
   name = config.model.name
   if name not in SIZES:
     _fail("model.name", name, f"unknown model size; known: {sorted(SIZES)}")
@@ -120,10 +121,11 @@ def build_model_config(config, vocab_size: int | None = None) -> ModelConfig:
     if vocab_size is None:
       _fail("model.name", name, "this size takes vocab_size from the vocabulary; none given")
     kwargs["vocab_size"] = vocab_size
-  fields = {f: f"model.{f}" for f in ("param_dtype", "dtype", "remat")}
+  fields = {f: f"model.{f}" for f in ("param_dtype", "dtype", "remat", "attention")}
   with naming_fields(fields, "model"):
     return ModelConfig(**kwargs, param_dtype=config.model.param_dtype,
-                       dtype=config.model.dtype, remat=config.model.remat)
+                       dtype=config.model.dtype, remat=config.model.remat,
+                       attention=config.model.get("attention", "ours"))
 
 
 def build_optimizer(config, stage: str):

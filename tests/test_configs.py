@@ -91,6 +91,7 @@ def test_command_line_overrides_reach_the_algorithm():
     ("--config.rl.epochs=0", "config.rl.epochs"),
     ("--config.rl.chunk_size=-1", "config.rl.chunk_size"),
     ("--config.model.dtype=float8", "config.model.dtype"),
+    ("--config.model.attention=flash", "config.model.attention"),
     ("--config.checkpoint.save_interval_steps=0", "config.checkpoint.save_interval_steps"),
     ("--config.checkpoint.max_to_keep=0", "config.checkpoint.max_to_keep"),
     ("--config.rl.max_skipped_steps=-1", "config.rl.max_skipped_steps"),
@@ -156,6 +157,12 @@ def test_model_sizes_have_the_public_checkpoints_parameter_counts(name, billions
   config = train.build_model_config(load("pbsd", f"--config.model.name={name}"))
   count = sum(np.prod(x.shape) for x in jax.tree.leaves(param_shapes(config)))
   assert abs(count / 1e9 - billions) / billions < 0.01, count
+
+
+def test_the_attention_switch_reaches_the_model_config():
+  config = load("demo", "--config.model.attention=dot_product")
+  assert train.build_model_config(config, vocab_size=2048).attention == "dot_product"
+  assert train.build_model_config(load("demo"), vocab_size=2048).attention == "ours"
 
 
 def test_tiny_size_takes_the_vocabulary_size():

@@ -246,3 +246,36 @@ def test_query_blocks_equal_unblocked_attention_in_value_and_gradient():
   np.testing.assert_allclose(query_blocks(attend, q, allowed, 4), attend(q, allowed),
                              rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(jax.grad(loss)(q, 4), jax.grad(loss)(q, 10), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("config", [DENSE, QWEN3], ids=["gqa_2_groups", "mqa_head_dim_12"])
+def test_dot_product_attention_switch_gives_our_logits_gradients_and_prefill(config):
+  """`attention="dot_product"` (`jax.nn.dot_product_attention`, XLA on CPU) against ours:
+  left-padded rows, grouped KV heads; the training forward, its gradient, and a prefill into
+  the cache followed by our decode step."""
+  params = _setup(config)
+  library = config.replace(attention="dot_product")
+  tokens = jax.random.randint(jax.random.key(2), (3, 9), 0, config.vocab_size)
+  mask = jnp.ones((3, 9), bool).at[1, :3].set(False).at[2, :5].set(False)
+  ours, theirs = _forward(config, params, tokens, mask), _forward(library, params, tokens, mask)
+  np.testing.assert_allclose(theirs.logits[mask], ours.logits[mask], atol=2e-5, rtol=0)
+  weights = jax.random.normal(jax.random.key(5), tokens.shape)
+
+  def loss(params, c):
+    return jnp.sum(token_logprobs(params, c, tokens, mask) * weights)
+  for a, b in zip(jax.tree.leaves(jax.grad(loss)(params, library)),
+                  jax.tree.leaves(jax.grad(loss)(params, config))):
+    np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
+  # Prefill (several queries: the switch) then one cached decode step (always ours).
+  logits = {}
+  for c in (config, library):
+    out = _forward(c, params, tokens[:, :8], mask[:, :8], cache=KVCache.init(c, 3, 12),
+                   write_index=jnp.zeros(3, jnp.int32))
+    step = _forward(c, params, tokens[:, 8:], cache=out.cache, write_index=jnp.full((3,), 8))
+    logits[c.attention] = (out.logits, step.logits)
+  for a, b in zip(logits["dot_product"], logits["ours"]):
+    np.testing.assert_allclose(a[:, -1], b[:, -1], atol=2e-5, rtol=0)
+  assert np.abs(np.asarray(ours.logits[mask])).max() > 0.1  # the checked logits are not ~0
+  trace = lambda c: str(jax.make_jaxpr(lambda p: Transformer(c).apply(
+      {"params": p}, tokens, mask).logits)(params))
+  assert trace(library) != trace(config)  # the switch runs another program

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 ROPE_TYPES = ("llama3", "yarn")
+ATTENTION = ("ours", "dot_product")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +83,11 @@ class ModelConfig:
   param_dtype: str = "float32"
   dtype: str = "float32"
   remat: bool = False
+  # Attention over several queries per row (the training forward, prefill, appends): "ours"
+  # (`Attention`'s einsums, queries in blocks) or "dot_product" (`jax.nn.dot_product_attention`:
+  # cuDNN flash attention on GPU in bfloat16 / float16, XLA elsewhere). Decode steps (one query
+  # per row) always use ours.
+  attention: str = "ours"
 
   def __post_init__(self):
     if isinstance(self.rope_scaling, dict):  # as read back from JSON
@@ -114,6 +120,9 @@ class ModelConfig:
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f"ModelConfig.{name} must be one of {sorted(_DTYPES)}, got "
                          f"{getattr(self, name)!r}")
+    if self.attention not in ATTENTION:
+      raise ValueError(f"ModelConfig.attention must be one of {ATTENTION}, got "
+                       f"{self.attention!r}")
     if self.rope_theta <= 0:
       raise ValueError(f"ModelConfig.rope_theta must be positive, got {self.rope_theta}")
 
