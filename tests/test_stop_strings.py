@@ -41,6 +41,19 @@ def bpe(tmp_path_factory):
   return vocab_lib.HfTokenizerVocabulary(path, eos_token="<|im_end|>")
 
 
+@pytest.fixture(scope="module")
+def metaspace(tmp_path_factory):
+  """A SentencePiece-style BPE (`▁` word starts, Metaspace decoder, Llama-2 style)."""
+  tokenizer = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+  tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+  tokenizer.decoder = decoders.Metaspace()
+  tokenizer.train_from_iterator(CORPUS * 8, trainers.BpeTrainer(
+      vocab_size=300, special_tokens=["<unk>", "</s>"], show_progress=False))
+  path = str(tmp_path_factory.mktemp("metaspace") / "tokenizer.json")
+  tokenizer.save(path)
+  return vocab_lib.HfTokenizerVocabulary(path, eos_token="</s>")
+
+
 def _decode(vocab, ids):
   """The text as the tokenizer itself decodes it (special tokens written out)."""
   if isinstance(vocab, vocab_lib.HfTokenizerVocabulary):
@@ -78,9 +91,9 @@ def test_the_protocol_tags_are_several_tokens_in_the_bpe_vocabulary(bpe):
   assert any(p.startswith(b">") and len(p) > 1 for p in pieces)
 
 
-def test_token_bytes_concatenate_to_the_decoded_text(bpe, kg):
+def test_token_bytes_concatenate_to_the_decoded_text(bpe, metaspace, kg):
   rng = np.random.default_rng(0)
-  for vocab in (bpe, kg.vocab):
+  for vocab in (bpe, metaspace, kg.vocab):
     pieces = vocab_lib.token_bytes(vocab)
     assert len(pieces) == vocab.vocab_size
     for _ in range(200):
@@ -102,9 +115,9 @@ def _sequences(vocab):
   return st.lists(piece, min_size=1, max_size=12).map(lambda parts: sum(parts, [])[:48])
 
 
-@pytest.mark.parametrize("which", ["bpe", "sentencepiece"])
-def test_the_device_matcher_stops_where_decode_and_search_does(which, bpe, kg):
-  vocab = bpe if which == "bpe" else kg.vocab
+@pytest.mark.parametrize("which", ["bpe", "metaspace", "sentencepiece"])
+def test_the_device_matcher_stops_where_decode_and_search_does(which, bpe, metaspace, kg):
+  vocab = {"bpe": bpe, "metaspace": metaspace, "sentencepiece": kg.vocab}[which]
   table = stop_strings.build(vocab_lib.token_bytes(vocab), STOPS)
   seen = {"stopped": 0, "across_tokens": 0, "never": 0}
 
