@@ -100,7 +100,8 @@ def main():
         ("one_device", sharding.make_mesh(devices=jax.devices()[:1])), ("mesh_2x2x2", mesh),
         ("mesh_2x1x1", sharding.make_mesh(2, 1, 1, devices=jax.devices()[:2]))]}
   result = {"size": args.size, "algorithm": args.algorithm,
-            "batch": args.prompts * args.group, "micro_batch_size": args.micro_batch_size, "one_device_step_s": one["step_s"],
+            "batch": args.prompts * args.group, "micro_batch_size": args.micro_batch_size,
+            "one_device_step_s": one["step_s"],
             "mesh_2x2x2_step_s": eight["step_s"],
             "mesh_over_one_device": eight["step_s"] / one["step_s"],
             "compiles_per_step_one_device": one["compiles_per_step"],

@@ -112,7 +112,7 @@ def build_model_config(config, vocab_size: int | None = None) -> ModelConfig:
             f"the model's vocab_size={model.vocab_size} is not the data vocabulary's "
             f"{vocab_size}")
     with naming_fields({"attention": "model.attention"}, "model"):
-      return model.replace(attention=config.model.get("attention", model.attention))
+      return model.replace(attention=config.model.attention)
   name = config.model.name
   if name not in SIZES:
     _fail("model.name", name, f"unknown model size; known: {sorted(SIZES)}")
@@ -125,7 +125,7 @@ def build_model_config(config, vocab_size: int | None = None) -> ModelConfig:
   with naming_fields(fields, "model"):
     return ModelConfig(**kwargs, param_dtype=config.model.param_dtype,
                        dtype=config.model.dtype, remat=config.model.remat,
-                       attention=config.model.get("attention", "ours"))
+                       attention=config.model.attention)
 
 
 def build_optimizer(config, stage: str):

@@ -18,7 +18,6 @@ from flax import struct
 
 from pbsd_jax import stop_strings as stop_strings_lib
 from pbsd_jax.models import KVCache, ModelConfig, Transformer
-from pbsd_jax.stop_strings import StopStrings
 
 Array = jax.Array
 
@@ -245,7 +244,7 @@ class Sampler:
   @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("max_steps", "eos_id"))
   def decode(self, params, state: DecodeState, rng: Array, budget: Array,
              stop_sequences: Array | None = None, active: Array | None = None,
-             stop_strings: StopStrings | None = None, *, max_steps: int,
+             stop_strings: stop_strings_lib.StopStrings | None = None, *, max_steps: int,
              eos_id: int | None = None) -> tuple[DecodeState, DecodeResult]:
     """Samples until every active row stops (or `max_steps` steps), one token per step.
 
@@ -258,7 +257,7 @@ class Sampler:
         row stops right after the last token of a matching stop.
       active: `bool[B]` rows that sample (default all).
       stop_strings: a row stops right after the token that completes one of these strings in
-      the text sampled in this call, however the vocabulary splits it (`stop_strings.build`).
+        the text sampled in this call, however the vocabulary splits it (`stop_strings.build`).
       max_steps: static bound on the loop (a budget larger than it is cut to it).
       eos_id: a row stops right after sampling this id (None: no end-of-sequence stop).
 
@@ -327,7 +326,8 @@ class Sampler:
 
   def generate(self, params, tokens: Array, mask: Array, rng: Array, max_new_tokens: int,
                stop_sequences: Array | None = None, budget: Array | None = None,
-               eos_id: int | None = None, stop_strings: StopStrings | None = None
+               eos_id: int | None = None,
+               stop_strings: stop_strings_lib.StopStrings | None = None
                ) -> tuple[DecodeState, DecodeResult]:
     """Prefill + one decode: continues left-padded prompts `i32[B, P]` by up to
     `max_new_tokens` tokens (per-row `budget: i32[B]` may lower it)."""

@@ -122,13 +122,17 @@ def _sentencepiece_bytes(sp: spm.SentencePieceProcessor) -> list[bytes]:
     piece = sp.id_to_piece(i)
     if sp.is_control(i):
       out.append(b"")
-    elif sp.is_byte(i):  # <0x0A>
-      out.append(bytes([int(piece[3:-1], 16)]))
     elif sp.is_unknown(i):
       out.append(" \u2047 ".encode())  # what SentencePiece decodes it as
     else:
-      out.append(piece.replace("\u2581", " ").encode())
+      out.append(_piece_bytes(piece, sp.is_byte(i)))
   return out
+
+
+def _piece_bytes(piece: str, is_byte: bool) -> bytes:
+  """A SentencePiece-style piece's bytes: a byte-fallback piece `<0x0A>` is its byte, `\u2581`
+  starts a word (a space)."""
+  return bytes([int(piece[3:5], 16)]) if is_byte else piece.replace("\u2581", " ").encode()
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -163,10 +167,9 @@ def _tokenizer_bytes(tokenizer: tokenizers.Tokenizer) -> list[bytes]:
       out.append((added.get(i) or "").encode())
     elif byte_level:
       out.append(bytes(alphabet[c] for c in piece))
-    elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-      out.append(bytes([int(piece[3:5], 16)]))
     else:
-      out.append(piece.replace("\u2581", " ").encode())
+      byte = len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">")
+      out.append(_piece_bytes(piece, byte))
   return out
 
 

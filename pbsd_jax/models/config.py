@@ -54,9 +54,8 @@ class ModelConfig:
   """Sizes and switches of the decoder-only transformer.
 
   Family switches: Llama = defaults (`attention_bias`: `qkv_bias` and `o_bias`); Qwen2 =
-  `qkv_bias=True`; Qwen3 = `qk_norm=True` with an
-  explicit `head_dim` (may differ from `hidden_size // num_heads`); Qwen3-MoE = Qwen3 plus
-  `num_experts > 0`.
+  `qkv_bias=True`; Qwen3 = `qk_norm=True` with an explicit `head_dim` (may differ from
+  `hidden_size // num_heads`); Qwen3-MoE = Qwen3 plus `num_experts > 0`.
   """
 
   vocab_size: int = 256

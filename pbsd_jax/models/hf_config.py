@@ -2,9 +2,8 @@
 
 `config_from_hf` accepts only what our model computes exactly: every option that would change the
 logits (RoPE scalings other than llama3 / yarn, sliding windows, other activations, dense layers
-in an MoE, ...) is a
-one-line `ValueError` naming the field. `config_to_hf` is its inverse for the architecture that
-can hold the config.
+in an MoE, ...) is a one-line `ValueError` naming the field. `config_to_hf` is its inverse for
+the architecture that can hold the config.
 """
 
 from __future__ import annotations
@@ -225,8 +224,9 @@ def config_to_hf(config: ModelConfig, architecture: str | None = None) -> dict:
       "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
       "head_dim": config.resolved_head_dim, "hidden_act": "silu",
       "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
-      "rope_scaling": _rope_to_hf(config.rope_scaling), "tie_word_embeddings": config.tie_embeddings,
-      "torch_dtype": config.param_dtype, "attention_dropout": 0.0,
+      "rope_scaling": _rope_to_hf(config.rope_scaling),
+      "tie_word_embeddings": config.tie_embeddings, "torch_dtype": config.param_dtype,
+      "attention_dropout": 0.0,
   }
   if arch != QWEN2:
     hf["attention_bias"] = config.qkv_bias
