@@ -51,12 +51,16 @@ def get_config() -> ml_collections.ConfigDict:
                                         micro_batch_size=0, chunk_size=0, max_skipped_steps=5))
 
   # SFT stage on oracle trajectories (0 steps: skip; max_examples 0: the whole SFT split).
+  # teacher_fraction: the share of each batch's rows trained on the teacher's privileged
+  # prompt instead of the student's (the same trajectory), so the teacher condition PBSD
+  # scores with is one the model has read.
   c.sft = ml_collections.ConfigDict(dict(steps=0, batch_size=32, lr=1e-3, warmup_steps=20,
-                                         max_examples=0))
+                                         max_examples=0, teacher_fraction=0.0))
 
-  # Evaluation (paper: top-p 0.95).
+  # Evaluation (paper: top-p 0.95). every: greedy validation accuracy on `num_examples`
+  # questions every this many RL steps (0: never), logged as the `eval` stage.
   c.eval = ml_collections.ConfigDict(dict(num_examples=200, temperature=1.0,
-                                          top_p=0.95, pass_k=(1, 2, 4, 8, 16)))
+                                          top_p=0.95, pass_k=(1, 2, 4, 8, 16), every=0))
 
   # Mesh ('data', 'fsdp', 'tensor'); -1 takes the remaining devices.
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))

@@ -46,5 +46,6 @@ def get_config():
   config.env.buffer_size = 384
   config.rl.steps = 50
   config.eval.num_examples = 200
+  config.eval.every = 10
   config.checkpoint.save_interval_steps = 10
   return config

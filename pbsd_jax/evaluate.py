@@ -14,13 +14,18 @@ outcomes, so they are tested on hand-made rows.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from pbsd_jax import credit_quality, likelihood, privileged
+from pbsd_jax.algorithms import AdvantageInputs
 from pbsd_jax.batch import gold_batch, prompt_region
+from pbsd_jax.credit_quality import gold_doc_batch
 from pbsd_jax.env import protocol
 from pbsd_jax.env.agent_env import AgentEnv
 from pbsd_jax.env.bm25 import BM25Index
@@ -160,7 +165,8 @@ def evaluate(sampler: Sampler, env: AgentEnv, params: Any, records: Sequence[Map
              rng: jax.Array, prompt_width: int, gold_width: int, samples_per_question: int = 1,
              pass_k: Sequence[int] = DEFAULT_PASS_K,
              template: str = protocol.DEFAULT_PROMPT_TEMPLATE,
-             progress: Callable[..., Iterable] = lambda it, **kw: it) -> dict:
+             progress: Callable[..., Iterable] = lambda it, **kw: it,
+             credit_algo: Any = None) -> dict:
   """Rolls the policy out on `records` and returns `summarize`'s statistics.
 
   Args:
@@ -178,9 +184,12 @@ def evaluate(sampler: Sampler, env: AgentEnv, params: Any, records: Sequence[Map
     pass_k: the k of pass@k (those above n are left out).
     template: the prompt template (`protocol.format_prompt`).
     progress: wraps the batch iterator (e.g. `tqdm.tqdm`); gets `desc` and `total`.
+    credit_algo: an algorithm with turn evidence (PBSD, RLSD): when every record has a gold
+      chain, each trajectory is also scored on its teacher prompt and the result gains
+      `credit` (`credit_summary`, pooled over every labelled turn of the split).
 
   Returns:
-    The dict of `summarize`.
+    The dict of `summarize` (and `credit`).
   """
   if batch_size < 1:
     raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -190,8 +199,13 @@ def evaluate(sampler: Sampler, env: AgentEnv, params: Any, records: Sequence[Map
     raise ValueError("no records to evaluate")
   # Encoded once for all records (so every batch has the same number of gold variants);
   # each batch takes its rows.
-  region = prompt_region([r["question"] for r in records], encode, prompt_width, template)
+  with_credit = credit_algo is not None and all("chain" in r for r in records)
+  region = prompt_region([r["question"] for r in records], encode, prompt_width, template,
+                         answers=([r["golden_answers"][0] for r in records] if with_credit
+                                  else None))
   gold = gold_batch([r["golden_answers"] for r in records], encode, gold_width)
+  gold_docs = (gold_doc_batch(records, max(r["hops"] for r in records)) if with_credit
+               else None)
   rows = np.repeat(np.arange(len(records)), samples_per_question)
   num_batches = -(-len(rows) // batch_size)
   parts = []
@@ -200,14 +214,55 @@ def evaluate(sampler: Sampler, env: AgentEnv, params: Any, records: Sequence[Map
     padded = np.resize(chunk, batch_size)  # repeats the chunk's own rows: one shape
     out = ingraph_rollout(sampler, env, params, region["prompts"][padded],
                           region["prompt_mask"][padded], jax.random.fold_in(rng, i), index,
-                          gold[padded])
+                          gold[padded], gold_docs=None if gold_docs is None else
+                          gold_docs[padded])
     stats = {"reward": out.reward, "num_turns": out.num_turns,
              "num_action_tokens": out.num_action_tokens, "finished": out.finished,
              "truncated": out.truncated}
+    if with_credit:
+      stats["turn_label"] = out.turn_label
+      stats["evidence"] = _turn_evidence(credit_algo, sampler.model, env.max_turns, params,
+                                         out, region["teacher_prompt"][padded],
+                                         region["teacher_prompt_mask"][padded])
     parts.append((len(chunk), stats))
-  outcomes = {f: np.concatenate([np.asarray(s[f])[:m] for m, s in parts])
-              for f in OUTCOME_FIELDS}
-  return summarize(outcomes, [tier_name(r) for r in records], samples_per_question, pass_k)
+  fields = OUTCOME_FIELDS + (("turn_label", "evidence") if with_credit else ())
+  outcomes = {f: np.concatenate([np.asarray(s[f])[:m] for m, s in parts]) for f in fields}
+  result = summarize(outcomes, [tier_name(r) for r in records], samples_per_question, pass_k)
+  if with_credit:
+    result["credit"] = credit_summary(outcomes["turn_label"], outcomes["evidence"],
+                                      outcomes["reward"] > 0.5)
+  return result
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _turn_evidence(algo: Any, model: ModelConfig, max_turns: int, params: Any, rollout: Any,
+                   teacher_prompt: jax.Array, teacher_prompt_mask: jax.Array) -> jax.Array:
+  """`f32[B, K]` the algorithm's turn evidence `s` of a rollout (one dual-likelihood pass)."""
+  teacher = privileged.teacher_sequence(rollout.tokens, rollout.mask, teacher_prompt,
+                                        teacher_prompt_mask)
+  logp = likelihood.dual_logprobs(params, model, rollout.tokens, rollout.mask, *teacher,
+                                  score_from=rollout.prompt_width)
+  inputs = AdvantageInputs(rewards=rollout.reward, action_mask=rollout.action_mask,
+                           turn_ids=rollout.turn_ids, step=jnp.int32(0), max_turns=max_turns,
+                           logp_student=logp[0], logp_teacher=logp[1])
+  return algo.turn_credit(jnp.zeros_like(rollout.reward), inputs).evidence
+
+
+def credit_summary(turn_label: np.ndarray, evidence: np.ndarray, solved: np.ndarray) -> dict:
+  """Evidence statistics of evaluated trajectories (`[N, K]` labels and evidence, `[N]`
+  solved): the ROC AUC of `s` for useful vs. other labelled turns (all, solved, failed
+  trajectories; NaN where a class is empty), the share of labelled turns that are useful and
+  their count, and over the labelled turns the fraction with `s > 0` and the mean `|s|`."""
+  labelled = turn_label != credit_quality.UNLABELLED
+  useful = turn_label == credit_quality.USEFUL
+  auc = lambda rows: float(credit_quality.roc_auc(jnp.asarray(evidence), jnp.asarray(useful),
+                                                  jnp.asarray(labelled & rows[:, None])))
+  n = max(int(labelled.sum()), 1)
+  return {"auc_evidence": auc(np.ones_like(solved)), "auc_evidence_solved": auc(solved),
+          "auc_evidence_failed": auc(~solved), "frac_useful": float(useful.sum() / n),
+          "labelled_turns": int(labelled.sum()),
+          "frac_evidence_pos": float(np.sum(labelled & (evidence > 0)) / n),
+          "mean_abs_evidence": float(np.sum(np.where(labelled, np.abs(evidence), 0.0)) / n)}
 
 
 def evaluate_policy(model: ModelConfig, env: AgentEnv, params: Any, records: Sequence[Mapping],
@@ -217,7 +272,8 @@ def evaluate_policy(model: ModelConfig, env: AgentEnv, params: Any, records: Seq
                     top_p: float = 0.95, top_k: int = 0,
                     pass_k: Sequence[int] = DEFAULT_PASS_K,
                     template: str = protocol.DEFAULT_PROMPT_TEMPLATE,
-                    progress: Callable[..., Iterable] = lambda it, **kw: it) -> dict:
+                    progress: Callable[..., Iterable] = lambda it, **kw: it,
+                    credit_algo: Any = None) -> dict:
   """The paper's two evaluations: `{"greedy": ..., "top_p": ...}`, each `evaluate`'s dict.
 
   Greedy decoding is deterministic, so it samples each question once; the nucleus run
@@ -227,7 +283,7 @@ def evaluate_policy(model: ModelConfig, env: AgentEnv, params: Any, records: Seq
   """
   greedy_rng, sample_rng = jax.random.split(rng)
   shared = dict(batch_size=batch_size, prompt_width=prompt_width, gold_width=gold_width,
-                pass_k=pass_k, template=template, progress=progress)
+                pass_k=pass_k, template=template, progress=progress, credit_algo=credit_algo)
   greedy = Sampler(model, temperature=0.0)
   nucleus = Sampler(model, temperature=temperature, top_p=top_p, top_k=top_k)
   return {
@@ -324,6 +380,15 @@ def format_table(results: Mapping[str, Mapping]) -> str:
       ("finished", [_percent(r["finished"]) for r in results.values()]),
       ("truncated", [_percent(r["truncated"]) for r in results.values()]),
   ]
+  if any("credit" in r for r in results.values()):
+    cell = lambda r, key, fmt: fmt(r["credit"][key]) if "credit" in r else "-"
+    lines += [(label, [cell(r, key, fmt) for r in results.values()]) for label, key, fmt in (
+        ("useful searches", "frac_useful", _percent),
+        ("evidence AUC useful", "auc_evidence", "{:.3f}".format),
+        ("  in solved", "auc_evidence_solved", "{:.3f}".format),
+        ("  in failed", "auc_evidence_failed", "{:.3f}".format),
+        ("teacher > student", "frac_evidence_pos", _percent),
+        ("mean |evidence|", "mean_abs_evidence", "{:.3f}".format))]
   label_width = max(len(label) for label, _ in lines)
   widths = [max(len(name), *(len(cells[j]) for _, cells in lines))
             for j, name in enumerate(columns)]

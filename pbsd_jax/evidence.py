@@ -47,6 +47,8 @@ class PolicyBatch:
       them: `UpdatePlan.on_policy`).
     score_from: static first column the loss and the entropy metric read (the rollout's
       prompt width), so the update's LM head skips the prompt region. 1 scores every column.
+    turn_label: `i32[B, K]` the rollout's turn labels (`credit_quality`), or None: the
+      credit-quality metrics, never the loss.
   """
 
   tokens: Array
@@ -56,6 +58,7 @@ class PolicyBatch:
   action_mask: Array
   inputs: AdvantageInputs
   score_from: int = struct.field(pytree_node=False, default=1)
+  turn_label: Array | None = None
 
 
 def policy_batch(params: Any, rollout: Any, teacher_prompt: Array, teacher_prompt_mask: Array,
@@ -104,7 +107,8 @@ def policy_batch(params: Any, rollout: Any, teacher_prompt: Array, teacher_promp
                            divergence=divergence, entropy=entropy)
   return PolicyBatch(tokens=tokens, mask=mask, teacher_tokens=teacher_tokens,
                      teacher_mask=teacher_mask, action_mask=rollout.action_mask.astype(bool),
-                     inputs=jax.lax.stop_gradient(inputs), score_from=score_from)
+                     inputs=jax.lax.stop_gradient(inputs), score_from=score_from,
+                     turn_label=getattr(rollout, "turn_label", None))
 
 
 def rollout_metrics(rollout: Any) -> dict:

@@ -47,7 +47,7 @@ import optax
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pbsd_jax import likelihood, sharding
+from pbsd_jax import credit_quality, likelihood, sharding
 from pbsd_jax.algorithms import AdvantageInputs, masked_mean
 from pbsd_jax.evidence import PolicyBatch, policy_batch, rollout_metrics
 from pbsd_jax.models import ModelConfig
@@ -301,18 +301,23 @@ def policy_outputs(params: Any, batch: PolicyBatch, *, config: ModelConfig, algo
   return PolicyOutputs(scores.logp, scores.entropy, scores.divergence)
 
 
-def policy_targets(algo: Any, inputs: AdvantageInputs, old_logp: Array
-                   ) -> tuple[Targets, dict]:
+def policy_targets(algo: Any, inputs: AdvantageInputs, old_logp: Array,
+                   turn_label: Array | None = None) -> tuple[Targets, dict]:
   """The algorithm's token advantages with `old_logp` as the student log-probs: `Targets`.
 
   The one place the learner computes advantages, whatever the update plan; `old_logp` is the
   evidence pass's student half or, on the on-policy plan, the update's own forward.
 
   Returns:
-    `(Targets, metrics)`: the algorithm's advantage metrics.
+    `(Targets, metrics)`: the algorithm's advantage metrics, and with `turn_label` (the
+    rollout's `credit_quality.turn_labels`) the credit-quality AUCs of its turn evidence and
+    of the final turn credit (`credit_quality.quality_metrics`).
   """
   old_logp = jax.lax.stop_gradient(old_logp)
-  advantages, loss_mask, metrics = algo.advantages(inputs.replace(logp_student=old_logp))
+  inputs = inputs.replace(logp_student=old_logp)
+  advantages, loss_mask, metrics = algo.advantages(inputs)
+  if turn_label is not None:
+    metrics = {**metrics, **credit_quality.batch_metrics(algo, inputs, advantages, turn_label)}
   return Targets(old_logp=old_logp, advantages=advantages, loss_mask=loss_mask), metrics
 
 
@@ -379,13 +384,14 @@ def ppo_update(state: TrainState, batch: PolicyBatch, *, config: ModelConfig,
                      "(UpdatePlan.on_policy) can take them from on_policy_update instead")
   b = batch.tokens.shape[0]
   n_micro, micro = plan.micro_batches(b, _shards(micro_sharding))
-  targets, adv_metrics = policy_targets(algo, batch.inputs, batch.inputs.logp_student)
+  targets, adv_metrics = policy_targets(algo, batch.inputs, batch.inputs.logp_student,
+                                        batch.turn_label)
   rng, shuffle_rng = jax.random.split(state.rng)
   orders = [jax.random.permutation(jax.random.fold_in(shuffle_rng, e), b)
             for e in range(plan.epochs)]
   # [updates, n_micro, micro] row indices: epoch-major, then mini-batch.
   order = jnp.stack(orders).reshape(plan.epochs * plan.minibatches, n_micro, micro)
-  rows_only = (batch.replace(inputs=None), targets)  # every leaf has the row axis first
+  rows_only = (batch.replace(inputs=None, turn_label=None), targets)  # every leaf has the row axis first
   loss_fn = lambda params, micro: policy_loss(params, *micro, config=config, algo=algo,
                                               chunk_size=plan.chunk_size,
                                               teacher_params=teacher_params)
@@ -435,7 +441,7 @@ def on_policy_update(state: TrainState, batch: PolicyBatch, *, config: ModelConf
       lambda params: policy_outputs(params, batch, config=config, algo=algo,
                                     chunk_size=plan.chunk_size, teacher_params=teacher_params),
       state.params)
-  targets, adv_metrics = policy_targets(algo, batch.inputs, outputs.logp)
+  targets, adv_metrics = policy_targets(algo, batch.inputs, outputs.logp, batch.turn_label)
   objective = lambda out: policy_objective(out, targets, batch.action_mask, algo)
   (loss, (weight, metrics)), d_outputs = jax.value_and_grad(objective, has_aux=True)(outputs)
   grads, = pullback(d_outputs)

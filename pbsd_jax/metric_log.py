@@ -1,7 +1,8 @@
 """The run's metric log: per-step scalars to `<workdir>/metrics.jsonl` and TensorBoard.
 
 One JSON object per line, `{"stage": ..., "step": ..., <metric>: <float>, ...}`, appended as
-the run goes; `report.plot_metrics` reads it back. A resumed stage first drops its rows after
+the run goes (NaN, written as Python's `json` does, for a metric undefined at that step; such
+values are left out of TensorBoard); `report.plot_metrics` reads it back. A resumed stage first drops its rows after
 the restored step (`drop_after`) -- rows written after the last checkpoint by a run that was
 killed -- so the file holds each step once. In a multi-process run only process 0 writes
 (every process computes the same replicated metrics).
@@ -57,6 +58,7 @@ class MetricLog:
     with open(self.path, "a") as f:
       f.write(json.dumps(row) + "\n")
     for k, v in row.items():
-      if k not in ("stage", "step"):
+      # NaN marks a metric undefined at this step (an AUC with one class empty).
+      if k not in ("stage", "step") and np.isfinite(v):
         self._tb.add_scalar(f"{stage}/{k}", v, step)
     self._tb.flush()

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pbsd_jax import algorithms
+from pbsd_jax import algorithms, credit_quality
 from pbsd_jax.algorithms import AdvantageInputs
 from pbsd_jax.jsonl import iter_jsonl
 from pbsd_jax.rollout import Rollout
@@ -100,6 +100,39 @@ def plot_metrics(metrics_jsonl_path: str, out_dir: str,
   return paths
 
 
+def plot_runs(runs: Mapping[str, str], stage: str, key: str, path: str,
+              title: str | None = None) -> str | None:
+  """One PNG of metric `key` of `stage` against step, one line per run (`{label: metrics
+  jsonl path}`), e.g. the validation accuracy of GRPO and PBSD from one SFT checkpoint. NaN
+  values (undefined at a step) leave gaps. Returns `path`, or None (and draws nothing) when
+  no run has the metric."""
+  import matplotlib
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt
+
+  series = {}
+  for label, metrics_path in runs.items():
+    rows = [row for _, row in iter_jsonl(metrics_path)
+            if row.get("stage") == stage and isinstance(row.get(key), (int, float))]
+    if rows:
+      series[label] = ([r["step"] for r in rows], [float(r[key]) for r in rows])
+  if not series:
+    _log.warning("plot_runs: no run has %s rows with %r; no plot", stage, key)
+    return None
+  fig, ax = plt.subplots(figsize=(6, 3.5))
+  for label, (steps, values) in series.items():
+    ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=label)
+  ax.set_xlabel("step")
+  ax.set_title(title or key)
+  ax.grid(alpha=0.3)
+  ax.legend()
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.savefig(path, dpi=100)
+  plt.close(fig)
+  return path
+
+
 @dataclasses.dataclass(frozen=True)
 class TrajectoryCredit:
   """One trajectory as the credit page shows it.
@@ -113,6 +146,9 @@ class TrajectoryCredit:
     weights: `f32[K]` modulation weights `w`.
     reward: the outcome reward.
     advantage: the group-normalised outcome advantage `A`.
+    labels: `K` names of each turn's gold-chain label (`credit_quality.LABEL_NAMES`: useful,
+      off-chain, repeat, invalid, "" when unlabelled); empty when the rollout has none.
+    teacher_prompt: the teacher's real prompt tokens (with the privileged block), or None.
   """
 
   prompt: np.ndarray
@@ -122,6 +158,8 @@ class TrajectoryCredit:
   weights: np.ndarray
   reward: float
   advantage: float
+  labels: tuple[str, ...] = ()
+  teacher_prompt: np.ndarray | None = None
 
 
 def _segments(tokens: np.ndarray, turn_ids: np.ndarray, action: np.ndarray, start: int,
@@ -135,8 +173,21 @@ def _segments(tokens: np.ndarray, turn_ids: np.ndarray, action: np.ndarray, star
   return tuple((int(labels[a]), tokens[start + a:start + b]) for a, b in bounds)
 
 
+def mixed_group_rows(rollout: Rollout, num_groups: int) -> list[int]:
+  """The rows of the first `num_groups` groups whose rewards differ (the groups where the
+  outcome advantage is non-zero, so credit has something to assign), then of other groups
+  when there are fewer."""
+  group_ids, reward = np.asarray(rollout.group_ids), np.asarray(rollout.reward)
+  groups = list(dict.fromkeys(group_ids.tolist()))
+  mixed = [g for g in groups if np.ptp(reward[group_ids == g]) > 0]
+  chosen = (mixed + [g for g in groups if g not in mixed])[:num_groups]
+  return [int(b) for g in chosen for b in np.flatnonzero(group_ids == g)]
+
+
 def credit_view(rollout: Rollout, logp: jax.Array, algo: algorithms.GRPO, max_turns: int, *,
-                rows: Sequence[int] | None = None, step: int = 0) -> list[TrajectoryCredit]:
+                rows: Sequence[int] | None = None, step: int = 0,
+                teacher_prompt: jax.Array | None = None,
+                teacher_prompt_mask: jax.Array | None = None) -> list[TrajectoryCredit]:
   """Per-turn evidence, deadband and weights of a rollout's trajectories, for the page.
 
   The numbers are the algorithm's own (`algo.outcome_advantages` and `algo.turn_credit` on the
@@ -151,6 +202,8 @@ def credit_view(rollout: Rollout, logp: jax.Array, algo: algorithms.GRPO, max_tu
     max_turns: K, the turn slots.
     rows: which trajectories (default all).
     step: the train step (the algorithm's schedules).
+    teacher_prompt, teacher_prompt_mask: `[B, P]` the privileged prompt regions, shown once
+      per question on the page.
 
   Returns:
     One `TrajectoryCredit` per row.
@@ -177,13 +230,18 @@ def credit_view(rollout: Rollout, logp: jax.Array, algo: algorithms.GRPO, max_tu
                              weights=weights))
   p = rollout.prompt_width
   rows = range(host["tokens"].shape[0]) if rows is None else rows
+  names = lambda b: (() if rollout.turn_label is None else tuple(
+      credit_quality.LABEL_NAMES[int(x)] for x in np.asarray(rollout.turn_label[b])))
+  teacher = lambda b: (None if teacher_prompt is None else
+                       np.asarray(teacher_prompt[b])[np.asarray(teacher_prompt_mask[b])])
   return [TrajectoryCredit(
       prompt=host["tokens"][b, p - int(host["prompt_length"][b]):p],
       segments=_segments(host["tokens"][b], host["turn_ids"][b], host["action"][b], p,
                          int(host["length"][b])),
       evidence=np.asarray(host["evidence"][b]), filtered=np.asarray(host["filtered"][b]),
       weights=np.asarray(host["weights"][b]), reward=float(host["reward"][b]),
-      advantage=float(np.asarray(host["advantages"])[b])) for b in rows]
+      advantage=float(np.asarray(host["advantages"])[b]), labels=names(b),
+      teacher_prompt=teacher(b)) for b in rows]
 
 
 _STYLE = """
@@ -210,8 +268,10 @@ def credit_html(trajectories: Sequence[TrajectoryCredit], decode: Callable[[Sequ
   """Writes the credit page for `trajectories` to `path` and returns `path`.
 
   Each action turn is shaded by its evidence `s` (colour scale: the largest |s| shown) and
-  followed by a note `turn k: s=..., w=...` (`s~=0` marks a deadbanded turn); the prompt and
-  observations are grey. Every decoded text is HTML-escaped.
+  followed by a note `turn k: s=..., w=...` (`s~=0` marks a deadbanded turn) with its
+  gold-chain label when there is one; the prompt and observations are grey. A teacher prompt
+  is shown once, before the first trajectory of its question. Every decoded text is
+  HTML-escaped.
 
   Args:
     trajectories: from `credit_view`.
@@ -232,7 +292,13 @@ def credit_html(trajectories: Sequence[TrajectoryCredit], decode: Callable[[Sequ
            f"<span style='background:{_colour(-1, 1)}'>teacher lower</span>"
            f"(full colour at |s| = {scale:.4g}); <i>w</i> is the weight on the outcome "
            "advantage. Prompt and observations are grey.</p>"]
+  shown_teacher = None
   for i, traj in enumerate(trajectories):
+    if traj.teacher_prompt is not None and (
+        shown_teacher is None or not np.array_equal(traj.teacher_prompt, shown_teacher)):
+      shown_teacher = traj.teacher_prompt
+      parts.append("<h2>Teacher prompt (privileged)</h2><div class='text context'>"
+                   f"{esc(traj.teacher_prompt)}</div>")
     parts.append(f"<div class='trajectory'><h3>trajectory {i}: reward {traj.reward:g}, "
                  f"advantage {traj.advantage:+.4f}</h3><div class='text'>")
     parts.append(f"<span class='context'>{esc(traj.prompt)}</span>")
@@ -243,9 +309,12 @@ def credit_html(trajectories: Sequence[TrajectoryCredit], decode: Callable[[Sequ
       s, s_kept, w = (float(traj.evidence[turn]), float(traj.filtered[turn]),
                       float(traj.weights[turn]))
       band = " (s~=0)" if s_kept == 0.0 else ""
+      label = traj.labels[turn] if turn < len(traj.labels) else ""
+      label = f", {label}" if label else ""
       parts.append(f"<span class='turn' style='background:{_colour(s, scale)}' "
                    f"title='turn {turn}: s={s:+.5f}, w={w:.4f}'>{esc(ids)}</span>"
-                   f"<span class='note'>turn {turn}: s={s:+.4f}{band}, w={w:.4f}</span>")
+                   f"<span class='note'>turn {turn}: s={s:+.4f}{band}, w={w:.4f}{label}"
+                   "</span>")
     parts.append("</div></div>")
   parts.append("</body></html>\n")
   os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from pbsd_jax import rewards
+from pbsd_jax import credit_quality, rewards
 from pbsd_jax.env import observations
 from pbsd_jax.env.agent_env import (KIND_ANSWER, KIND_EOS, KIND_SEARCH, AgentEnv,
                                     assemble_observation, classify_turn)
@@ -60,6 +60,11 @@ class Rollout:
     searches: `i32[B]` search turns (each one retrieval).
     search_failures: `i32[B]` searches whose retrieval failed (host retrievers only).
     prompt_width: P (static).
+    turn_kind: `i32[B, K]` each turn's `agent_env.KIND_*`, -1 for a turn not taken.
+    turn_doc: `i32[B, K]` each search turn's top document (its corpus row, or a host
+      retriever's numeric document id), -1 where there is none.
+    turn_label: `i32[B, K]` `credit_quality.turn_labels` when the gold chains were given,
+      else None.
   """
 
   tokens: Array
@@ -76,6 +81,9 @@ class Rollout:
   searches: Array
   search_failures: Array
   prompt_width: int = struct.field(pytree_node=False)
+  turn_kind: Array | None = None
+  turn_doc: Array | None = None
+  turn_label: Array | None = None
 
   @property
   def mask(self) -> Array:
@@ -108,6 +116,7 @@ class Episode:
     truncated: `bool[B]` ended by max_turns or the context budget.
     searches: `i32[B]` search turns so far.
     search_failures: `i32[B]` failed retrievals so far.
+    turn_kind, turn_doc: `i32[B, K]` as in `Rollout`.
   """
 
   decode: DecodeState
@@ -117,6 +126,8 @@ class Episode:
   truncated: Array
   searches: Array
   search_failures: Array
+  turn_kind: Array
+  turn_doc: Array
 
   @property
   def done(self) -> Array:
@@ -129,10 +140,11 @@ def _start(sampler: Sampler, env: AgentEnv, params, prompts: Array, prompt_mask:
   b = prompts.shape[0]
   state = sampler.prefill(params, prompts, prompt_mask, env.buffer_size)
   zeros = jnp.zeros((b,), jnp.int32)
+  no_turns = jnp.full((b, env.max_turns), -1, jnp.int32)
   return Episode(decode=state, turn_ids=jnp.full(state.tokens.shape, -1, jnp.int32),
                  num_turns=zeros, finished=zeros.astype(bool),
                  truncated=(state.cursor >= env.buffer_size), searches=zeros,
-                 search_failures=zeros)
+                 search_failures=zeros, turn_kind=no_turns, turn_doc=no_turns)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -161,14 +173,16 @@ def _act(sampler: Sampler, env: AgentEnv, params, ep: Episode, rng: Array, turn:
   ep = ep.replace(
       decode=state, turn_ids=jnp.where(this_turn, turn, ep.turn_ids),
       num_turns=ep.num_turns + live, finished=ep.finished | ends_episode,
+      turn_kind=ep.turn_kind.at[:, turn].set(jnp.where(live, kind, -1)),
       truncated=ep.truncated | (live & ~ends_episode & (out_of_room | (end >= env.buffer_size))))
   return ep, jnp.where(live, kind, KIND_EOS), query
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _observe(sampler: Sampler, env: AgentEnv, params, ep: Episode, kind: Array, turn: Array,
-             doc_tokens: Array, doc_lengths: Array, failed: Array) -> Episode:
-  """Appends each live row's observation (documents or the notice) in one batched prefill."""
+             doc_tokens: Array, doc_lengths: Array, failed: Array, top_doc: Array) -> Episode:
+  """Appends each live row's observation (documents or the notice) in one batched prefill;
+  `top_doc: i32[B]` (the first document's id, -1 for none) is recorded for search turns."""
   live = ~ep.done
   room = env.buffer_size - ep.decode.cursor
   budget = jnp.minimum(env.max_observation_tokens, room)
@@ -184,20 +198,26 @@ def _observe(sampler: Sampler, env: AgentEnv, params, ep: Episode, kind: Array, 
   state = sampler.append(params, ep.decode, tokens, lengths)
   out_of_room = live & ((state.cursor >= env.buffer_size) | (search & (budget < 3)))
   last_turn = live & (turn + 1 >= env.max_turns)
+  found = live & search & ~failed
   return ep.replace(decode=state, truncated=ep.truncated | out_of_room | last_turn,
+                    turn_doc=ep.turn_doc.at[:, turn].set(jnp.where(found, top_doc, -1)),
                     searches=ep.searches + (live & search),
                     search_failures=ep.search_failures + (live & search & failed))
 
 
-def _finish(ep: Episode, prompt_mask: Array, group_ids: Array, reward: Array) -> Rollout:
+def _finish(ep: Episode, prompt_mask: Array, group_ids: Array, reward: Array,
+            gold_docs: Array | None) -> Rollout:
   state = ep.decode
+  labels = (None if gold_docs is None else
+            credit_quality.turn_labels(ep.turn_kind, ep.turn_doc, jnp.asarray(gold_docs)))
   return Rollout(tokens=state.tokens, action_mask=state.sampled, turn_ids=ep.turn_ids,
                  num_turns=ep.num_turns, length=state.cursor,
                  prompt_length=jnp.sum(prompt_mask, axis=1).astype(jnp.int32),
                  finished=ep.finished, truncated=ep.truncated & ~ep.finished,
                  group_ids=group_ids, sample_logp=state.sample_logp, reward=reward,
                  searches=ep.searches, search_failures=ep.search_failures,
-                 prompt_width=prompt_mask.shape[1])
+                 prompt_width=prompt_mask.shape[1], turn_kind=ep.turn_kind,
+                 turn_doc=ep.turn_doc, turn_label=labels)
 
 
 def _group_ids(b: int, group_ids: Array | None) -> Array:
@@ -209,7 +229,8 @@ def _group_ids(b: int, group_ids: Array | None) -> Array:
 def ingraph_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array,
                     prompt_mask: Array, rng: Array, index: BM25Index, gold: Array,
                     group_ids: Array | None = None, forced: Array | None = None,
-                    forced_length: Array | None = None) -> Rollout:
+                    forced_length: Array | None = None, gold_docs: Array | None = None
+                    ) -> Rollout:
   """The whole multi-turn rollout as one XLA program, retrieving from a `BM25Index`.
 
   Args:
@@ -223,6 +244,8 @@ def ingraph_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array,
     group_ids: `i32[B]` (default: each row its own group).
     forced: optional `i32[max_turns, B, La]` actions to force instead of sampling, with
       `forced_length: i32[max_turns, B]` (for replaying oracle trajectories).
+    gold_docs: optional `i32[B, H]` chain documents (`credit_quality.gold_doc_batch`): the
+      rollout then labels its turns (`Rollout.turn_label`).
 
   Returns:
     A `Rollout`.
@@ -237,14 +260,14 @@ def ingraph_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array,
     _, doc_ids = index.search(query, env.top_k)
     docs = index.doc_tokens[doc_ids]  # [B, k, L]
     ep = _observe(sampler, env, params, ep, kind, turn, docs, index.doc_lengths[doc_ids],
-                  jnp.zeros(kind.shape, bool))
+                  jnp.zeros(kind.shape, bool), doc_ids[:, 0])
     return ep, turn + 1
 
   ep, _ = jax.lax.while_loop(lambda c: jnp.any(~c[0].done) & (c[1] < env.max_turns), body,
                              (ep, jnp.int32(0)))
   reward = rewards.token_answer_reward(ep.decode.tokens, ep.decode.sampled, env.answer_open,
                                        env.answer_close, gold, env.ignore_ids)
-  return _finish(ep, prompt_mask, _group_ids(prompts.shape[0], group_ids), reward)
+  return _finish(ep, prompt_mask, _group_ids(prompts.shape[0], group_ids), reward, gold_docs)
 
 
 def _document_tokens(doc: Document, encode: Callable[[str], list[int]], limit: int
@@ -266,9 +289,9 @@ def _document_tokens(doc: Document, encode: Callable[[str], list[int]], limit: i
 
 def _host_retrieve(retriever: Any, queries: list[list[int]], k: int, limit: int,
                    encode: Callable[[str], list[int]], decode: Callable[[Sequence[int]], str]
-                   ) -> tuple[list[list[list[int]]], bool]:
-  """Documents' observation tokens per query (at most `limit` each), and whether retrieval
-  failed."""
+                   ) -> tuple[list[list[list[int]]], list[int], bool]:
+  """Documents' observation tokens per query (at most `limit` each), each query's top
+  document id (-1 when it is not a number, or none came back) and whether retrieval failed."""
   try:
     if hasattr(retriever, "retrieve_ids"):
       results = retriever.retrieve_ids(queries, k)
@@ -276,8 +299,10 @@ def _host_retrieve(retriever: Any, queries: list[list[int]], k: int, limit: int,
       results = retriever.retrieve([decode(q) for q in queries], k)
   except RetrievalError as err:
     notice = Document(id="", contents=f"Search failed: {err.reason}.", score=0.0)
-    return [[_document_tokens(notice, encode, limit)] for _ in queries], True
-  return [[_document_tokens(d, encode, limit) for d in docs] for docs in results], False
+    failure = [_document_tokens(notice, encode, limit)]
+    return [failure for _ in queries], [-1] * len(queries), True
+  top = [int(docs[0].id) if docs and str(docs[0].id).isdigit() else -1 for docs in results]
+  return ([[_document_tokens(d, encode, limit) for d in docs] for docs in results], top, False)
 
 
 def _pad_docs(docs: list[list[list[int]]], k: int, width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -296,7 +321,8 @@ def host_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array, prompt
                  rng: Array, retriever: Any, encode: Callable[[str], list[int]],
                  decode: Callable[[Sequence[int]], str], golden_answers: Sequence[Sequence[str]],
                  group_ids: Array | None = None, forced: Array | None = None,
-                 forced_length: Array | None = None) -> Rollout:
+                 forced_length: Array | None = None, gold_docs: Array | None = None
+                 ) -> Rollout:
   """The same episode as `ingraph_rollout`, with a host turn loop around any `Retriever`.
 
   Queries go to `retriever.retrieve_ids` when it has one (token-level, e.g. a
@@ -304,9 +330,9 @@ def host_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array, prompt
   failure observation and is counted in `Rollout.search_failures`; the episode goes on. A
   document is encoded only as far as an observation can show it (`max_observation_tokens - 2`
   tokens), so a 10 MB document costs what a short one does. The reward is text-level: SQuAD
-  exact match of the last `<answer>` in the decoded action tokens. Arguments as in
-  `ingraph_rollout`, plus `encode`/`decode` (the policy's tokenizer) and the gold answers as
-  strings.
+  exact match of the last `<answer>` in the decoded action tokens. A search's top document
+  is recorded (`Rollout.turn_doc`) when its id is a number. Arguments as in `ingraph_rollout`,
+  plus `encode`/`decode` (the policy's tokenizer) and the gold answers as strings.
   """
   ep = _start(sampler, env, params, prompts, prompt_mask)
   doc_limit = env.max_observation_tokens - 2  # the most document tokens an observation shows
@@ -320,19 +346,21 @@ def host_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array, prompt
     searching = np.flatnonzero(kind_np == KIND_SEARCH)
     docs: list[list[list[int]]] = [[] for _ in kind_np]
     failed = np.zeros(kind_np.shape, bool)
+    top_doc = np.full(kind_np.shape, -1, np.int32)
     if searching.size:
-      got, fail = _host_retrieve(retriever, [[int(t) for t in query_np[i] if t >= 0]
+      got, top, fail = _host_retrieve(retriever, [[int(t) for t in query_np[i] if t >= 0]
                                              for i in searching], env.top_k, doc_limit,
                                  encode, decode)
-      for i, row in zip(searching, got):
-        docs[i], failed[i] = row, fail
+      for i, row, doc in zip(searching, got, top):
+        docs[i], top_doc[i], failed[i] = row, doc, fail
     doc_tokens, doc_lengths = _pad_docs(docs, env.top_k, doc_limit)
     ep = _observe(sampler, env, params, ep, kind, jnp.int32(turn), doc_tokens, doc_lengths,
-                  failed)
+                  failed, top_doc)
   tokens = np.asarray(ep.decode.tokens)
   turn_ids = np.asarray(ep.turn_ids)
   reward = np.zeros(tokens.shape[0], np.float32)
   for b, golds in enumerate(golden_answers):
     segments = [decode(tokens[b][turn_ids[b] == k]) for k in range(int(ep.num_turns[b]))]
     reward[b] = rewards.trajectory_reward(segments, golds)
-  return _finish(ep, prompt_mask, _group_ids(prompts.shape[0], group_ids), jnp.asarray(reward))
+  return _finish(ep, prompt_mask, _group_ids(prompts.shape[0], group_ids), jnp.asarray(reward),
+                 gold_docs)

@@ -229,6 +229,8 @@ def validate(config, num_devices: int | None = None) -> None:
   for field, low in (("batch_size", 1), ("max_examples", 0)):
     if config.sft[field] < low:
       _fail(f"sft.{field}", config.sft[field], f"must be >= {low}")
+  if not 0.0 <= config.sft.teacher_fraction <= 1.0:
+    _fail("sft.teacher_fraction", config.sft.teacher_fraction, "must be in [0, 1]")
   if config.sft.max_examples and config.sft.max_examples < config.sft.batch_size:
     _fail("sft.max_examples", config.sft.max_examples,
           f"is smaller than sft.batch_size={config.sft.batch_size}")
@@ -245,6 +247,8 @@ def validate(config, num_devices: int | None = None) -> None:
     _fail("sft.batch_size", config.sft.batch_size,
           f"does not split over the {mesh['data'] * mesh['fsdp']} data-parallel devices of "
           f"the mesh (mesh.data * mesh.fsdp)")
+  if config.eval.every < 0:
+    _fail("eval.every", config.eval.every, "must be >= 0 (0: never)")
   if any(k < 1 for k in config.eval.pass_k):
     _fail("eval.pass_k", config.eval.pass_k, "every k must be >= 1")
   if config.rl.max_skipped_steps < 0:

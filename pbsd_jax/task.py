@@ -19,6 +19,7 @@ import numpy as np
 
 from pbsd_jax import run_config
 from pbsd_jax.batch import forced_batch, gold_batch, prompt_region
+from pbsd_jax.credit_quality import gold_doc_batch
 from pbsd_jax.env import protocol
 from pbsd_jax.env.agent_env import AgentEnv
 from pbsd_jax.env.bm25 import BM25Index
@@ -160,12 +161,18 @@ def rl_prompts(task: Task, config, step: int) -> tuple[list[dict], np.ndarray]:
 
 def rl_batch(task: Task, config, records: list[dict]) -> dict[str, np.ndarray]:
   """Student and teacher prompt regions (`prompt_region`) and gold answer tokens for
-  `records`; the teacher is told each record's first gold answer."""
+  `records`; the teacher is told each record's first gold answer. Records with a gold chain
+  (the embedded task) add its documents, `gold_docs` (`credit_quality.gold_doc_batch`), from
+  which the rollout labels its turns."""
   region = prompt_region([r["question"] for r in records], task.encode,
                          config.data.prompt_width,
                          protocol.PROMPT_TEMPLATES[config.data.prompt_template],
                          answers=[r["golden_answers"][0] for r in records])
   # As many answer slots as the split's most, so every step's batch has one shape.
-  slots = max(len(r["golden_answers"]) for r in task.splits["rl_train"])
-  return dict(**region, gold=gold_batch([r["golden_answers"] for r in records], task.encode,
-                                        config.data.gold_width, slots))
+  train = task.splits["rl_train"]
+  slots = max(len(r["golden_answers"]) for r in train)
+  batch = dict(**region, gold=gold_batch([r["golden_answers"] for r in records], task.encode,
+                                         config.data.gold_width, slots))
+  if all("chain" in r for r in train):
+    batch["gold_docs"] = gold_doc_batch(records, max(r["hops"] for r in train))
+  return batch

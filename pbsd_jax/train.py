@@ -29,7 +29,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from pbsd_jax import checkpoint, learner, run_config, sharding, train_state
+from pbsd_jax import checkpoint, learner, privileged, run_config, sharding, train_state
 from pbsd_jax import workdir as workdir_lib
 from pbsd_jax.env.agent_env import AgentEnv
 from pbsd_jax.metric_log import MetricLog
@@ -95,14 +95,14 @@ def sft_stage(config, task: Task, model: ModelConfig, workdir: str, log: MetricL
     if int(state.step) >= steps:
       return state
     records = task.splits["sft"][:config.sft.max_examples or None]
-    rows, sequences = _local_sft_sequences(config, task, model, records, mesh)
+    rows, teacher_rows, sequences = _local_sft_sequences(config, task, model, records, mesh)
     step_fn = learner.make_sft_step(model, tx, learner.UpdatePlan(
         chunk_size=config.rl.chunk_size or None), mesh=mesh)
     with checkpoint.PreemptionGuard() as guard:
       for step in progress(range(int(state.step), steps), desc="sft", initial=int(state.step),
                            total=steps):
         batch = sharding.shard_process_local_batch(
-            tuple(x[rows[step]] for x in sequences), mesh, config.sft.batch_size)
+            _sft_rows(sequences, rows[step], teacher_rows[step]), mesh, config.sft.batch_size)
         state, metrics = step_fn(state, *batch)
         log.write("sft", step + 1, metrics)
         ckpt.save(state, {"stage": "sft", "step": step + 1}, force=step + 1 == steps)
@@ -112,34 +112,63 @@ def sft_stage(config, task: Task, model: ModelConfig, workdir: str, log: MetricL
 
 
 def _local_sft_sequences(config, task: Task, model: ModelConfig, records: list[dict],
-                         mesh: Mesh) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+                         mesh: Mesh) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, ...]]:
   """This process's rows of every SFT step and their oracle sequences, replayed once.
 
-  Step s draws `config.sft.batch_size` records seeded by `(seed, s)`; the process feeds its
-  block of them (`process_batch_rows`). Only the records some step of this process feeds are
-  replayed, and the sequences are padded to the longest over all processes, so every
-  process's arrays have one width. Returns `rows[s]`, indices into the sequences, and the
-  `(tokens, mask, action_mask)` of `sft_sequences`.
+  Step s draws `config.sft.batch_size` records seeded by `(seed, s)`, then (with
+  `sft.teacher_fraction` > 0, from the same generator) which of its rows are trained on the
+  teacher's privileged prompt; the process feeds its block of them (`process_batch_rows`).
+  Only the records some step of this process feeds are replayed, and the sequences are padded
+  to the longest over all processes, so every process's arrays have one width.
+
+  Returns:
+    `rows[s]` (indices into the sequences), `teacher_rows[s]` (bool, the rows on the teacher
+    prompt) and the needed records' `(tokens, mask, action_mask)` (`sft_sequences`), with
+    their teacher view `(tokens, mask)` (`privileged.teacher_sequence` of `rl_batch`'s
+    privileged prompts) when some row needs it.
   """
-  size = config.sft.batch_size
+  size, fraction = config.sft.batch_size, config.sft.teacher_fraction
   local = sharding.process_batch_rows(size, mesh)
-  drawn = np.stack([np.random.default_rng([config.seed, step]).choice(
-      len(records), size, replace=False)[local] for step in range(config.sft.steps)])
+  drawn, on_teacher = [], []
+  for step in range(config.sft.steps):
+    rng = np.random.default_rng([config.seed, step])
+    drawn.append(rng.choice(len(records), size, replace=False)[local])
+    on_teacher.append((rng.random(size) < fraction)[local] if fraction
+                      else np.zeros(len(drawn[-1]), bool))
+  drawn = np.stack(drawn)
   needed, rows = np.unique(drawn, return_inverse=True)
-  sequences = sft_sequences(task, [records[i] for i in needed], config, model)
+  needed_records = [records[i] for i in needed]
+  sequences = sft_sequences(task, needed_records, config, model)
   width = sequences[0].shape[1]
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
     width = int(np.max(multihost_utils.process_allgather(np.int32(width))))
   pad = ((0, 0), (0, width - sequences[0].shape[1]))
-  return rows.reshape(drawn.shape), tuple(np.pad(x, pad) for x in sequences)
+  sequences = tuple(np.pad(x, pad) for x in sequences)
+  if fraction:
+    region = rl_batch(task, config, needed_records)
+    sequences += tuple(np.asarray(x) for x in privileged.teacher_sequence(
+        sequences[0], sequences[1], region["teacher_prompt"], region["teacher_prompt_mask"]))
+  return rows.reshape(drawn.shape), np.stack(on_teacher), sequences
+
+
+def _sft_rows(sequences: tuple[np.ndarray, ...], rows: np.ndarray, on_teacher: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """One SFT batch `(tokens, mask, loss_mask)`: `rows` of the sequences, the `on_teacher`
+  rows in their teacher view (the same trajectory after the privileged prompt)."""
+  tokens, mask, action = (x[rows] for x in sequences[:3])
+  if on_teacher.any():
+    teacher = on_teacher[:, None]
+    tokens = np.where(teacher, sequences[3][rows], tokens)
+    mask = np.where(teacher, sequences[4][rows], mask)
+  return tokens, mask, action
 
 
 def ingraph_rollout_fn(sampler: Sampler, env: AgentEnv, index: Any) -> RolloutFn:
   """`ingraph_rollout` over the batch's prompts and gold tokens, retrieving from `index`."""
   def rollout_fn(params, rng, batch, group_ids):
     return ingraph_rollout(sampler, env, params, batch["prompts"], batch["prompt_mask"], rng,
-                           index, batch["gold"], group_ids)
+                           index, batch["gold"], group_ids, gold_docs=batch.get("gold_docs"))
   return rollout_fn
 
 
@@ -149,7 +178,8 @@ def host_rollout_fn(sampler: Sampler, env: AgentEnv, retriever: Any, encode: Cal
   decoded answers with `golden_answers` (strings)."""
   def rollout_fn(params, rng, batch, group_ids):
     return host_rollout(sampler, env, params, batch["prompts"], batch["prompt_mask"], rng,
-                        retriever, encode, decode, golden_answers, group_ids)
+                        retriever, encode, decode, golden_answers, group_ids,
+                        gold_docs=batch.get("gold_docs"))
   return rollout_fn
 
 
@@ -242,13 +272,39 @@ def rl_inputs(task: Task, config, step: int, mesh: Mesh) -> tuple[list[dict], di
   return records, batch, group_ids
 
 
+def validation_accuracy(config, task: Task, model: ModelConfig, params: Any,
+                        progress: Callable = lambda it, **kw: it, credit: bool = False) -> dict:
+  """Greedy decoding on the first `config.eval.num_examples` `rl_validation` questions:
+  `evaluate.evaluate`'s statistics (in-graph retrieval, the seed's key); with `credit` and an
+  algorithm that computes turn evidence, its `credit` statistics too."""
+  from pbsd_jax import evaluate
+  algo = run_config.build_algorithm(config)
+  return evaluate.evaluate(
+      Sampler(model, temperature=0.0), task.env, params,
+      task.splits["rl_validation"][:config.eval.num_examples], task.encode, task.index,
+      batch_size=50, rng=jax.random.key(config.seed), prompt_width=config.data.prompt_width,
+      gold_width=config.data.gold_width, progress=progress,
+      credit_algo=algo if credit and "logp_teacher" in algo.needs else None)
+
+
+def _log_validation(config, task: Task, model: ModelConfig, params: Any, log: MetricLog,
+                    step: int) -> None:
+  """With `config.eval.every`, the `eval` stage's row of RL step `step` (0: the start)."""
+  every = config.eval.every
+  if every and (step % every == 0 or step == config.rl.steps):
+    result = validation_accuracy(config, task, model, params)
+    log.write("eval", step, {k: result[k] for k in ("accuracy", "mean_turns",
+                                                    "mean_action_tokens")})
+
+
 def rl_stage(config, task: Task, model: ModelConfig, params: Any, workdir: str,
              log: MetricLog, mesh: Mesh, progress: Callable = lambda it, **kw: it,
              on_step: Callable | None = None, force_resume: bool = False
              ) -> train_state.TrainState:
   """`config.rl.steps` RL steps of `config.algorithm` starting from `params` (sharded on
   `mesh`), under `mesh` (resumable; with `force_resume`, also from checkpoints of another
-  configuration)."""
+  configuration). With `config.eval.every`, greedy validation accuracy is logged (stage
+  `eval`) at step 0, every that many steps and at the end."""
   algo = run_config.build_algorithm(config)
   steps = config.rl.steps
   tx = run_config.build_optimizer(config, "rl")
@@ -273,6 +329,9 @@ def rl_stage(config, task: Task, model: ModelConfig, params: Any, workdir: str,
   with _checkpointer(config, workdir, "ckpt_rl") as ckpt, \
       checkpoint.PreemptionGuard() as guard:
     state = _resume(ckpt, state, log, "rl", force_resume)
+    log.drop_after("eval", int(state.step))
+    if int(state.step) == 0:
+      _log_validation(config, task, model, state.params, log, 0)
     bar = progress(range(int(state.step), steps), desc=config.algorithm,
                    initial=int(state.step), total=steps)
     faults, skipped_in_a_row = {}, 0
@@ -283,6 +342,7 @@ def rl_stage(config, task: Task, model: ModelConfig, params: Any, workdir: str,
       if counters:
         metrics = {**metrics, **retrieval_metrics(before, counters())}
       log.write("rl", step + 1, metrics)
+      _log_validation(config, task, model, state.params, log, step + 1)
       _show_faults(bar, faults, metrics)
       if on_step is not None:
         on_step(step + 1, state, rollout, batch)

@@ -1,10 +1,13 @@
-"""The embedded demo (`make demo`): synthetic data -> SFT -> evaluation -> PBSD RL ->
-evaluation -> report, on 2 CPU cores.
+"""The embedded demo (`make demo`): synthetic data -> SFT -> evaluation -> GRPO and PBSD RL
+from the same SFT checkpoint -> evaluation -> report, on 2 CPU cores.
 
-Its last line is `demo: validation accuracy SFT=..% PBSD=..% (+.. points)` (greedy decoding
-on the 200 validation questions). Re-running resumes from the workdir's checkpoints. Any
-registered algorithm runs with `--config.algorithm=NAME`; the credit page is drawn for those
-that compute teacher-student evidence (PBSD, RLSD).
+Its last line is `demo: validation accuracy SFT=..% GRPO=..% PBSD=..%` (greedy decoding on
+the 200 validation questions). Each RL run has its own directory under the workdir
+(`grpo/`, `pbsd/`: checkpoints, metrics, plots, evaluation) and starts from the shared
+`ckpt_sft`, with the same seed and RL settings; `accuracy_vs_step.png` and
+`credit_auc.png` compare them. Re-running resumes from the workdir's checkpoints. Any
+registered algorithm runs beside GRPO with `--config.algorithm=NAME`; the credit page is
+drawn for those that compute teacher-student evidence (PBSD, RLSD).
 """
 
 import json
@@ -27,13 +30,11 @@ _FORCE_RESUME = flags.DEFINE_bool(
 def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)
-  import jax
   import tqdm
 
-  from pbsd_jax import evaluate, likelihood, policy_checkpoint, privileged, report
-  from pbsd_jax import run_config, task as task_lib, train, workdir as workdir_lib
+  from pbsd_jax import policy_checkpoint, report, run_config, task as task_lib, train
+  from pbsd_jax import workdir as workdir_lib
   from pbsd_jax.metric_log import MetricLog
-  from pbsd_jax.sampling import Sampler
 
   start = time.time()
   config, workdir = _CONFIG.value, _WORKDIR.value
@@ -45,46 +46,76 @@ def main(argv):
   policy_checkpoint.save_model_config(workdir, model)
   log = MetricLog(workdir)
 
-  def validation_accuracy(params, name):
-    result = evaluate.evaluate(
-        Sampler(model, temperature=0.0), task.env, params,
-        task.splits["rl_validation"][:config.eval.num_examples], task.encode, task.index,
-        batch_size=50, rng=jax.random.key(config.seed), prompt_width=config.data.prompt_width,
-        gold_width=config.data.gold_width, progress=tqdm.tqdm)
-    with open(os.path.join(workdir, f"eval_{name}.json"), "w") as f:
+  def validation_accuracy(params, name, out_dir, settings=config):
+    result = train.validation_accuracy(settings, task, model, params, progress=tqdm.tqdm,
+                                       credit=True)
+    with open(os.path.join(out_dir, f"eval_{name}.json"), "w") as f:
       json.dump(result, f, indent=1, default=float)
+    credit = result.get("credit")
+    auc = "" if credit is None else (
+        f"; evidence AUC useful vs. other searches {credit['auc_evidence']:.2f}, teacher > "
+        f"student on {credit['frac_evidence_pos']:.0%} of them, mean |s| "
+        f"{credit['mean_abs_evidence']:.2f}")
     print(f"{name}: greedy validation accuracy {result['accuracy']:.1%}, "
           f"mean turns {result['mean_turns']:.2f}, "
-          f"generated tokens {result['mean_action_tokens']:.1f}", flush=True)
+          f"generated tokens {result['mean_action_tokens']:.1f}{auc}", flush=True)
     return result["accuracy"]
 
   sft_state = train.sft_stage(config, task, model, workdir, log, mesh, progress=tqdm.tqdm,
                               force_resume=_FORCE_RESUME.value)
-  sft_acc = validation_accuracy(sft_state.params, "sft")
-  algo = run_config.build_algorithm(config)
+  accuracy = {"sft": validation_accuracy(sft_state.params, "sft", workdir)}
+  runs = {}
+  for name in dict.fromkeys(("grpo", config.algorithm)):
+    rl_config = config.copy_and_resolve_references()
+    rl_config.algorithm = name
+    run_dir = os.path.join(workdir, name)
+    workdir_lib.claim_for_script(run_dir, rl_config, force=_FORCE_RESUME.value)
+    policy_checkpoint.save_model_config(run_dir, model)
+    algo = run_config.build_algorithm(rl_config)
+    run_log = MetricLog(run_dir)
+    rl_state = train.rl_stage(rl_config, task, model, sft_state.params, run_dir, run_log, mesh,
+                              progress=tqdm.tqdm, on_step=_credit_page(config, model, algo, task,
+                                                                       run_dir),
+                              force_resume=_FORCE_RESUME.value)
+    accuracy[name] = validation_accuracy(rl_state.params, name, run_dir, rl_config)
+    report.plot_metrics(run_log.path, run_dir)
+    runs[name] = run_log.path
+  plots = [report.plot_runs(runs, stage, key, os.path.join(workdir, f"{out}.png"), title)
+           for stage, key, out, title in _COMPARISONS]
+  print(f"demo: finished in {(time.time() - start) / 60:.1f} min; report in {workdir}: "
+        f"{', '.join(os.path.basename(p) for p in plots if p)}, per-run plots in "
+        f"{', '.join(f'{name}/' for name in runs)}")
+  print("demo: validation accuracy " + " ".join(f"{name.upper()}={acc:.1%}"
+                                                for name, acc in accuracy.items()))
 
-  def credit_page(step, state, rollout, batch):
-    """The last RL step's rollout, each turn coloured by its evidence (post-update params)."""
+
+# (stage, metric, file, title) of the plots that put the RL runs side by side.
+_COMPARISONS = (
+    ("eval", "accuracy", "accuracy_vs_step", "greedy validation accuracy"),
+    ("rl", "credit/auc_weight", "credit_auc",
+     "ROC AUC of the signed turn credit, useful vs. other searches"),
+)
+
+
+def _credit_page(config, model, algo, task, run_dir):
+  """An `rl_stage` step hook: two groups of the last step's rollout with mixed outcomes, each
+  turn coloured by its evidence (post-update params) and labelled by the gold chain, written
+  to `<run_dir>/credit.html` for algorithms with evidence."""
+  from pbsd_jax import likelihood, privileged, report
+
+  def on_step(step, state, rollout, batch):
     if step != config.rl.steps or "logp_teacher" not in algo.needs:
       return
     teacher = privileged.teacher_sequence(rollout.tokens, rollout.mask, batch["teacher_prompt"],
                                           batch["teacher_prompt_mask"])
     logp = likelihood.dual_logprobs(state.params, model, rollout.tokens, rollout.mask, *teacher)
     view = report.credit_view(rollout, logp, algo, task.env.max_turns,
-                              rows=range(min(8, rollout.tokens.shape[0])), step=step)
-    report.credit_html(view, task.decode, os.path.join(workdir, "credit.html"),
+                              rows=report.mixed_group_rows(rollout, 2), step=step,
+                              teacher_prompt=batch["teacher_prompt"],
+                              teacher_prompt_mask=batch["teacher_prompt_mask"])
+    report.credit_html(view, task.decode, os.path.join(run_dir, "credit.html"),
                        title=f"{algo.name.upper()} turn-level credit")
-
-  rl_state = train.rl_stage(config, task, model, sft_state.params, workdir, log, mesh,
-                            progress=tqdm.tqdm, on_step=credit_page,
-                            force_resume=_FORCE_RESUME.value)
-  rl_acc = validation_accuracy(rl_state.params, algo.name)
-  plots = report.plot_metrics(log.path, workdir)
-  page = " and credit.html" if "logp_teacher" in algo.needs else ""
-  print(f"demo: finished in {(time.time() - start) / 60:.1f} min; report: {len(plots)} plots"
-        f"{page} in {workdir}")
-  print(f"demo: validation accuracy SFT={sft_acc:.1%} {algo.name.upper()}={rl_acc:.1%} "
-        f"({(rl_acc - sft_acc) * 100:+.1f} points)")
+  return on_step
 
 
 if __name__ == "__main__":

@@ -9,8 +9,11 @@ config is its `model_config.json` (or the workdir's), else the one `--config` na
 environment settings come from `--config` (the run's configuration), the data from
 `--data_dir` or `config.data.dir` or `<workdir>/data`. Each split is a split name of the
 embedded task or a `.jsonl` / `.parquet` file of questions (e.g. the output of
-`scripts/stratify.py`, whose `tier` field gives per-tier accuracy). Results are written as JSON
-(`--out`) and printed as tables.
+`scripts/stratify.py`, whose `tier` field gives per-tier accuracy). When `--config`'s algorithm
+computes turn evidence (PBSD, RLSD) and the questions carry their gold chains (the embedded
+task), each trajectory is also scored on its teacher prompt: `credit` gives the ROC AUC of the
+evidence for useful vs. other searches (`evaluate.credit_summary`). Results are written as
+JSON (`--out`) and printed as tables.
 """
 
 import json
@@ -70,6 +73,7 @@ def main(argv):
   except (FileNotFoundError, ValueError) as err:
     raise SystemExit(f"evaluate: {err}") from None
 
+  algo = run_config.build_algorithm(config)
   results = {"checkpoint": ckpt_dir, "step": step, "samples_per_question": samples,
              "temperature": config.eval.temperature, "top_p": config.eval.top_p, "splits": {}}
   rng = jax.random.key(_SEED.value)
@@ -80,7 +84,8 @@ def main(argv):
         gold_width=config.data.gold_width,
         samples_per_question=samples, temperature=config.eval.temperature,
         top_p=config.eval.top_p, pass_k=tuple(config.eval.pass_k), template=template,
-        progress=lambda it, **kw: tqdm.tqdm(it, leave=False, **kw))
+        progress=lambda it, **kw: tqdm.tqdm(it, leave=False, **kw),
+        credit_algo=algo if "logp_teacher" in algo.needs else None)
     results["splits"][name] = got
     print(f"\n{name} ({len(records)} questions), {os.path.basename(ckpt_dir)}"
           f"{'' if step is None else f' step {step}'}")

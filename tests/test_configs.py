@@ -79,6 +79,8 @@ def test_command_line_overrides_reach_the_algorithm():
     ("--config.rollout.top_p=0.0", "config.rollout.top_p"),
     ("--config.data.prompt_width=4096", "config.data.prompt_width"),
     ("--config.sft.batch_size=0", "config.sft.batch_size"),
+    ("--config.sft.teacher_fraction=1.5", "config.sft.teacher_fraction"),
+    ("--config.eval.every=-1", "config.eval.every"),
     # Rules that live in the constructors (environment, samplers, optimisers, plan, model).
     ("--config.env.top_k=0", "config.env.top_k"),
     ("--config.env.max_observation_tokens=2", "config.env.max_observation_tokens"),

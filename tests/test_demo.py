@@ -1,4 +1,4 @@
-"""scripts/demo.py (what `make demo` runs) with any registered algorithm, on a tiny config."""
+"""scripts/demo.py (what `make demo` runs): GRPO and PBSD from one SFT checkpoint, tiny config."""
 
 import json
 import os
@@ -9,30 +9,46 @@ import sys
 from test_train import ROOT, SMALL
 
 
-def test_the_demo_runs_with_grpo_and_reports_what_it_evaluated(kg, tmp_path):
+def _rows(path):
+  with open(path) as f:
+    return [json.loads(line) for line in f]
+
+
+def test_the_demo_trains_grpo_and_pbsd_from_one_sft_checkpoint_and_reports_both(kg, tmp_path):
   workdir = str(tmp_path / "demo")
   cmd = [sys.executable, os.path.join(ROOT, "scripts", "demo.py"), f"--workdir={workdir}",
          f"--config.data.dir={os.path.dirname(kg.paths['spm_model'])}", *SMALL,
-         "--config.algorithm=grpo", "--config.eval.num_examples=8"]
+         "--config.eval.num_examples=8", "--config.eval.every=2"]
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
   proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
   last = proc.stdout.strip().splitlines()[-1]
   match = re.fullmatch(r"demo: validation accuracy SFT=([\d.]+)% GRPO=([\d.]+)% "
-                       r"\(([+-][\d.]+) points\)", last)
+                       r"PBSD=([\d.]+)%", last)
   assert match, last
-  evaluated = {}
-  for name in ("sft", "grpo"):
-    with open(os.path.join(workdir, f"eval_{name}.json")) as f:
-      evaluated[name] = json.load(f)["accuracy"]
+  paths = {"sft": os.path.join(workdir, "eval_sft.json"),
+           "grpo": os.path.join(workdir, "grpo", "eval_grpo.json"),
+           "pbsd": os.path.join(workdir, "pbsd", "eval_pbsd.json")}
   # The printed figures are the evaluations written beside them (8 questions: multiples of
   # 12.5%).
-  assert float(match.group(1)) == round(100 * evaluated["sft"], 1)
-  assert float(match.group(2)) == round(100 * evaluated["grpo"], 1)
-  assert float(match.group(3)) == round(100 * (evaluated["grpo"] - evaluated["sft"]), 1)
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    rows = [json.loads(line) for line in f]
-  assert [r["step"] for r in rows if r["stage"] == "rl"] == [1, 2, 3]
-  # GRPO computes no evidence: no credit metrics and no credit page.
-  assert not any(k.startswith("credit/") for r in rows for k in r)
-  assert not os.path.exists(os.path.join(workdir, "credit.html"))
+  for group, name in enumerate(paths, start=1):
+    with open(paths[name]) as f:
+      assert float(match.group(group)) == round(100 * json.load(f)["accuracy"], 1), name
+  assert {r["stage"] for r in _rows(os.path.join(workdir, "metrics.jsonl"))} == {"sft"}
+  for name in ("grpo", "pbsd"):
+    rows = _rows(os.path.join(workdir, name, "metrics.jsonl"))
+    assert [r["step"] for r in rows if r["stage"] == "rl"] == [1, 2, 3]
+    # eval.every=2: step 0 (the SFT policy), 2, and the last step; the last is the final
+    # evaluation, and step 0 is the SFT one (the same greedy evaluation of the same params).
+    evals = {r["step"]: r["accuracy"] for r in rows if r["stage"] == "eval"}
+    assert sorted(evals) == [0, 2, 3]
+    with open(paths[name]) as f:
+      assert evals[3] == json.load(f)["accuracy"]
+    with open(paths["sft"]) as f:
+      assert evals[0] == json.load(f)["accuracy"]
+    rl_keys = {k for r in rows if r["stage"] == "rl" for k in r}
+    assert "credit/auc_weight" in rl_keys
+    # Only PBSD computes evidence: its AUC, its credit page.
+    assert ("credit/auc_evidence" in rl_keys) == (name == "pbsd")
+    assert os.path.exists(os.path.join(workdir, name, "credit.html")) == (name == "pbsd")
+  assert os.path.exists(os.path.join(workdir, "accuracy_vs_step.png"))

@@ -17,7 +17,7 @@ from pbsd_jax.models import ModelConfig, init_params
 from pbsd_jax.rollout import ingraph_rollout
 from pbsd_jax.sampling import Sampler
 
-P, GOLD = 24, 8
+P, GOLD = 56, 8
 
 
 # --- pass@k -------------------------------------------------------------------------------
@@ -265,9 +265,9 @@ def test_evaluate_policy_samples_with_top_p_and_reports_pass_at_k(kg, automaton)
 
 def test_a_prompt_too_long_for_the_width_names_its_record(kg, automaton):
   env, config, params, records = automaton
-  long = {"question": "word " * 40, "golden_answers": ["x"]}
+  long = {"question": "word " * 80, "golden_answers": ["x"]}
   with pytest.raises(ValueError, match=r"record 1: its prompt is \d+ tokens, more than "
-                     r"prompt_width=24"):
+                     rf"prompt_width={P}"):
     ev.evaluate(Sampler(config, temperature=0.0), env, params, [records[0], long], kg.encode,
                 kg.retriever.index, batch_size=4, rng=jax.random.key(0), prompt_width=P,
                 gold_width=GOLD)
@@ -327,3 +327,45 @@ def test_scripts_end_at_start_up_with_one_line_naming_a_missing_checkpoint(scrip
   assert done.returncode != 0
   assert done.stderr.strip().splitlines()[-1] == (
       f"{script}: checkpoint directory {missing} does not exist")
+
+
+def test_credit_summary_pools_labelled_turns_over_trajectories():
+  from pbsd_jax import credit_quality as cq
+  U, O, R, X = cq.USEFUL, cq.OFF_CHAIN, cq.REPEAT, cq.UNLABELLED
+  labels = np.array([[U, O, X], [U, R, X], [O, X, X]])
+  evidence = np.array([[0.5, -0.2, 9.0], [0.1, 0.3, 9.0], [-0.4, 9.0, 9.0]], np.float32)
+  got = ev.credit_summary(labels, evidence, np.array([True, True, False]))
+  # Useful 0.5, 0.1 vs. other -0.2, 0.3, -0.4: 5 of 6 pairs ranked right.
+  assert got["auc_evidence"] == pytest.approx(5 / 6)
+  assert got["auc_evidence_solved"] == pytest.approx(3 / 4)
+  assert np.isnan(got["auc_evidence_failed"])  # no useful turn in the failed trajectory
+  assert got["labelled_turns"] == 5 and got["frac_useful"] == pytest.approx(2 / 5)
+  assert got["frac_evidence_pos"] == pytest.approx(3 / 5)
+  assert got["mean_abs_evidence"] == pytest.approx((0.5 + 0.2 + 0.1 + 0.3 + 0.4) / 5)
+
+
+def test_evaluation_labels_the_searches_of_records_with_a_gold_chain(kg, automaton):
+  """The automaton searches once on questions ending in '?'; a chain holding the document it
+  retrieves makes that search useful, another chain makes it off-chain."""
+  from pbsd_jax import algorithms
+  env, config, params, records = automaton
+  sampler = Sampler(config, temperature=0.0)
+  plain = ev.evaluate(sampler, env, params, records, kg.encode, kg.retriever.index,
+                      batch_size=4, rng=jax.random.key(0), prompt_width=P, gold_width=GOLD,
+                      credit_algo=algorithms.get("pbsd", group_size=1, normalize_std=False))
+  assert "credit" not in plain  # no gold chains: nothing to label
+  region = prompt_region([records[1]["question"]], kg.encode, P)
+  out = ingraph_rollout(sampler, env, params, jnp.asarray(region["prompts"]),
+                        jnp.asarray(region["prompt_mask"]), jax.random.key(0),
+                        kg.retriever.index, jnp.asarray(gold_batch([["a"]], kg.encode, GOLD)))
+  doc = int(out.turn_doc[0, 0])
+  assert doc >= 0
+  chained = [dict(r, chain=[doc if i == 1 else doc + 1, 0], hops=1)
+             for i, r in enumerate(records)]
+  got = ev.evaluate(sampler, env, params, chained, kg.encode, kg.retriever.index,
+                    batch_size=4, rng=jax.random.key(0), prompt_width=P, gold_width=GOLD,
+                    credit_algo=algorithms.get("pbsd", group_size=1, normalize_std=False))
+  assert {k: v for k, v in got.items() if k != "credit"} == plain
+  # Searches: records 1, 3, 5 (questions ending in '?'); only record 1's chain holds the doc.
+  assert got["credit"]["labelled_turns"] == 3
+  assert got["credit"]["frac_useful"] == pytest.approx(1 / 3)

@@ -1,5 +1,6 @@
 """The run report: metric plots and the per-turn credit page."""
 
+import html
 import json
 import logging
 import math
@@ -155,3 +156,35 @@ def test_credit_html_shows_each_turn_weight_and_escapes_document_text(kg, tmp_pa
   # The observation is grey context, not a coloured turn.
   grey = page.split("class='context'>")[2].split("</span>")[0]
   assert "&lt;information&gt;" in grey and "Zed" in grey
+
+
+def test_credit_page_labels_turns_and_shows_each_questions_teacher_prompt_once(kg, tmp_path):
+  from pbsd_jax import credit_quality as cq
+  encode = kg.encode
+  row = (encode("Question: who is Foo?"),
+         [(0, encode("<search> Foo </search>")), (-1, encode("<information> x </information>")),
+          (1, encode("<search> Foo </search>")), (-1, encode("<information> x </information>")),
+          (2, encode("<answer> Bar </answer>"))])
+  rollout = _rollout([row, row], prompt_width=24, width=90)
+  rollout = rollout.replace(turn_label=jnp.asarray([[cq.USEFUL, cq.REPEAT, cq.UNLABELLED]] * 2))
+  teacher = np.zeros((2, 24), np.int32)
+  privileged = encode("Answer: Bar. Question: who is Foo?")
+  teacher[:, 24 - len(privileged):] = privileged
+  view = report.credit_view(rollout, jnp.zeros((2, 2, 90)), algorithms.get("pbsd", group_size=2),
+                            max_turns=3, teacher_prompt=jnp.asarray(teacher),
+                            teacher_prompt_mask=jnp.asarray(teacher != 0))
+  assert view[0].labels == ("useful", "repeat", "")
+  page = open(report.credit_html(view, kg.decode, str(tmp_path / "credit.html")),
+              encoding="utf-8").read()
+  assert page.count("Teacher prompt (privileged)") == 1
+  assert page.count(html.escape(kg.decode(privileged))) == 1
+  assert page.count(", useful</span>") == 2 and page.count(", repeat</span>") == 2
+  assert ", </span>" not in page  # the answer turn has no label
+
+
+def test_mixed_group_rows_prefers_groups_whose_outcomes_differ():
+  rollout = _rollout([([5], [(0, [10])])] * 6, prompt_width=1, width=3)
+  rollout = rollout.replace(group_ids=jnp.asarray([0, 0, 1, 1, 2, 2]),
+                            reward=jnp.asarray([1.0, 1.0, 0.0, 1.0, 1.0, 0.0]))
+  assert report.mixed_group_rows(rollout, 2) == [2, 3, 4, 5]
+  assert report.mixed_group_rows(rollout, 3) == [2, 3, 4, 5, 0, 1]

@@ -191,3 +191,44 @@ def test_a_converted_checkpoint_is_where_training_starts(kg, tmp_path):
     np.testing.assert_array_equal(a, b)
   with pytest.raises(run_config.ConfigError, match="model.init_dir"):
     run_config.build_model_config(config, kg.vocab.vocab_size + 1)
+
+
+def test_sft_teacher_fraction_trains_those_rows_on_the_privileged_prompt(kg):
+  """The same records are drawn with and without the option; the chosen rows carry the
+  record's own privileged prompt before an unchanged trajectory and loss mask."""
+  import jax
+
+  from pbsd_jax import run_config, task as task_lib, train
+  from pbsd_jax.batch import prompt_region
+  from test_configs import load
+
+  def sequences(fraction):
+    config = load("demo", *SMALL, "--config.sft.steps=6",
+                  f"--config.sft.teacher_fraction={fraction}")
+    task = task_lib.prepare_task(config, os.path.dirname(kg.paths["spm_model"]))
+    model = run_config.build_model_config(config, task.vocab.vocab_size)
+    records = task.splits["sft"][:config.sft.max_examples]
+    return config, task, records, train._local_sft_sequences(
+        config, task, model, records, run_config.build_mesh(config, jax.devices()[:1]))
+
+  config, task, records, (rows, on_teacher, seqs) = sequences(0.5)
+  *_, (rows0, on_teacher0, seqs0) = sequences(0.0)
+  np.testing.assert_array_equal(rows, rows0)
+  assert not on_teacher0.any() and 0.2 < on_teacher.mean() < 0.8
+  width, size = config.data.prompt_width, config.sft.batch_size
+  for step in range(config.sft.steps):
+    drawn = np.random.default_rng([config.seed, step]).choice(len(records), size,
+                                                              replace=False)
+    tokens, mask, action = train._sft_rows(seqs, rows[step], on_teacher[step])
+    want = train._sft_rows(seqs0, rows0[step], on_teacher0[step])
+    np.testing.assert_array_equal(tokens[:, width:], want[0][:, width:])
+    np.testing.assert_array_equal(mask[:, width:], want[1][:, width:])
+    np.testing.assert_array_equal(action, want[2])
+    for j, i in enumerate(drawn):
+      r = records[i]
+      region = prompt_region([r["question"]], task.encode, width,
+                             answers=[r["golden_answers"][0]])
+      key = "teacher_prompt" if on_teacher[step][j] else "prompt"
+      np.testing.assert_array_equal(tokens[j, :width], region[key if on_teacher[step][j]
+                                                              else "prompts"][0])
+      np.testing.assert_array_equal(mask[j, :width], region[f"{key}_mask"][0])

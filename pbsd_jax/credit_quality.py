@@ -1,0 +1,146 @@
+"""Credit quality where the world knows its gold chains: which turns helped, and whether a
+credit signal ranks them above the others.
+
+The synthetic generator knows each question's gold chain `(e_0, ..., e_h)`; the document of
+`e_k` (corpus row `e_k`) states the fact that leads to `e_{k+1}`, so the chain's documents are
+`e_0 ... e_{h-1}` (`gold_doc_batch`). Each turn of a rollout then gets a label
+(`turn_labels`): a search whose top document is a chain document not retrieved earlier in the
+episode is USEFUL; a search whose top document is off the chain (a confusable neighbour, a
+sloppy query) is OFF_CHAIN; one that retrieves a document already seen is REPEAT; an invalid
+action is INVALID. Answer and EOS turns, failed retrievals, absent turns and rows without a
+known chain are UNLABELLED.
+
+`roc_auc` is the Mann-Whitney AUC of a score for useful vs. labelled-but-not-useful turns
+(0.5 for a signal that carries no information, 1 for a perfect ranking; NaN when one class is
+empty), computed from ranks on device. `quality_metrics` applies it to PBSD's turn evidence `s`
+and to the final turn credit signed by the outcome (`sign(A) * w`: the weight a turn's tokens
+get relative to the flat GRPO advantage, so GRPO itself scores `sign(A)`), over all turns and
+separately in solved and failed trajectories.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pbsd_jax import credit
+from pbsd_jax.env.agent_env import KIND_INVALID, KIND_SEARCH
+
+Array = jax.Array
+
+UNLABELLED, USEFUL, OFF_CHAIN, REPEAT, INVALID = 0, 1, 2, 3, 4
+LABEL_NAMES = {UNLABELLED: "", USEFUL: "useful", OFF_CHAIN: "off-chain", REPEAT: "repeat",
+               INVALID: "invalid"}
+
+
+def gold_doc_batch(records: Sequence[Mapping], width: int) -> np.ndarray:
+  """`i32[B, width]` each record's chain documents `chain[:hops]`, -1 padded (all -1 for a
+  record without a `chain`, e.g. user data)."""
+  out = np.full((len(records), width), -1, np.int32)
+  for b, record in enumerate(records):
+    docs = list(record.get("chain", []))[:record.get("hops", 0)]
+    if len(docs) > width:
+      raise ValueError(f"record {b} has {len(docs)} chain documents, more than width={width}")
+    out[b, :len(docs)] = docs
+  return out
+
+
+def turn_labels(turn_kind: Array, turn_doc: Array, gold_docs: Array) -> Array:
+  """`i32[B, K]` label of every turn (module docstring).
+
+  Args:
+    turn_kind: `i32[B, K]` each turn's `agent_env.KIND_*`, -1 for a turn not taken.
+    turn_doc: `i32[B, K]` the top document of each search turn, -1 where there is none (not
+      a search, or the retrieval failed).
+    gold_docs: `i32[B, H]` the chain documents (`gold_doc_batch`), -1 padded.
+  """
+  k = turn_doc.shape[1]
+  searched = (turn_kind == KIND_SEARCH) & (turn_doc >= 0)
+  on_chain = jnp.any((turn_doc[:, :, None] == gold_docs[:, None, :])
+                     & (gold_docs[:, None, :] >= 0), axis=2)
+  same = turn_doc[:, :, None] == turn_doc[:, None, :]  # [B, k, j]
+  earlier = jnp.arange(k)[None, :] < jnp.arange(k)[:, None]  # j < k
+  repeat = jnp.any(same & earlier[None] & searched[:, None, :], axis=2)
+  label = jnp.where(repeat, REPEAT, jnp.where(on_chain, USEFUL, OFF_CHAIN))
+  label = jnp.where(searched, label, jnp.where(turn_kind == KIND_INVALID, INVALID, UNLABELLED))
+  has_chain = jnp.any(gold_docs >= 0, axis=1, keepdims=True)
+  return jnp.where(has_chain, label, UNLABELLED).astype(jnp.int32)
+
+
+def roc_auc(score: Array, positive: Array, valid: Array) -> Array:
+  """ROC AUC of `score` for `positive` vs. not, over the `valid` entries (any shape).
+
+  `P(score of a positive > score of a negative)`, ties counting one half: the Mann-Whitney U
+  statistic from average ranks, `O(N log N)`. NaN when either class is empty.
+  """
+  s = jnp.where(valid, score, jnp.inf).reshape(-1).astype(jnp.float32)
+  pos = (valid & positive).reshape(-1)
+  neg = (valid & ~positive).reshape(-1)
+  ranked = jnp.sort(s)
+  # 1-based average rank among the valid entries (invalid ones sort last, at +inf).
+  rank = (jnp.searchsorted(ranked, s, side="left") + jnp.searchsorted(ranked, s, side="right")
+          + 1) / 2.0
+  n_pos, n_neg = jnp.sum(pos).astype(jnp.float32), jnp.sum(neg).astype(jnp.float32)
+  u = jnp.sum(jnp.where(pos, rank, 0.0)) - n_pos * (n_pos + 1) / 2
+  return jnp.where((n_pos > 0) & (n_neg > 0), u / jnp.maximum(n_pos * n_neg, 1.0), jnp.nan)
+
+
+def quality_metrics(turn_label: Array, solved: Array, signed_credit: Array,
+                    credited: Array, evidence: Array | None = None) -> dict:
+  """`credit/` metrics of a batch: AUCs of the credit signals for useful turns.
+
+  Args:
+    turn_label: `i32[B, K]` (`turn_labels`).
+    solved: `bool[B]` trajectories whose reward is positive.
+    signed_credit: `f32[B, K]` each turn's credit relative to the flat outcome advantage,
+      `sign(A) * w` (`turn_signed_credit`).
+    credited: `bool[B]` rows whose outcome advantage is non-zero (where `signed_credit` is
+      defined).
+    evidence: `f32[B, K]` turn evidence `s`, or None for an algorithm without one.
+
+  Returns:
+    `credit/frac_useful` and `credit/labelled_turns`; `credit/auc_weight{,_solved,_failed}`
+    and, with `evidence`, `credit/auc_evidence{,_solved,_failed}` (NaN where a class is empty).
+  """
+  labelled = turn_label != UNLABELLED
+  useful = turn_label == USEFUL
+  n = jnp.sum(labelled)
+  metrics = {"credit/labelled_turns": n.astype(jnp.float32),
+             "credit/frac_useful": jnp.sum(useful) / jnp.maximum(n, 1).astype(jnp.float32)}
+  rows = {"": jnp.ones_like(solved), "_solved": solved, "_failed": ~solved}
+  for suffix, keep in rows.items():
+    metrics[f"credit/auc_weight{suffix}"] = roc_auc(
+        signed_credit, useful, labelled & (keep & credited)[:, None])
+    if evidence is not None:
+      metrics[f"credit/auc_evidence{suffix}"] = roc_auc(evidence, useful,
+                                                        labelled & keep[:, None])
+  return metrics
+
+
+def batch_metrics(algo, inputs, token_advantages: Array, turn_label: Array) -> dict:
+  """`quality_metrics` of a batch as an algorithm credits it: its outcome advantages, turn
+  evidence (`algo.turn_credit`, None for GRPO) and final token advantages.
+
+  Args:
+    algo: a `pbsd_jax.algorithms` algorithm.
+    inputs: its `AdvantageInputs` (student log-probs filled in).
+    token_advantages: `f32[B, T]` what `algo.advantages(inputs)` returned.
+    turn_label: `i32[B, K]` (`turn_labels`).
+  """
+  outcome, _ = algo.outcome_advantages(inputs)
+  turns = algo.turn_credit(outcome, inputs)
+  signed = turn_signed_credit(token_advantages, outcome, inputs.turn_ids, inputs.max_turns)
+  return quality_metrics(turn_label, inputs.rewards > 0, signed, outcome != 0,
+                         None if turns is None else turns.evidence)
+
+
+def turn_signed_credit(token_advantages: Array, outcome: Array, turn_ids: Array,
+                       max_turns: int) -> Array:
+  """`f32[B, K]` each turn's mean token advantage divided by `|A|` (`sign(A) * w` for PBSD,
+  `sign(A)` for GRPO); 0 on rows with `A = 0` and on absent turns."""
+  mean = credit.turn_evidence(token_advantages, turn_ids, max_turns)
+  scale = jnp.abs(outcome)[:, None]
+  return jnp.where(scale > 0, mean / jnp.where(scale > 0, scale, 1.0), 0.0)
