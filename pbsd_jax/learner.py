@@ -391,7 +391,8 @@ def ppo_update(state: TrainState, batch: PolicyBatch, *, config: ModelConfig,
             for e in range(plan.epochs)]
   # [updates, n_micro, micro] row indices: epoch-major, then mini-batch.
   order = jnp.stack(orders).reshape(plan.epochs * plan.minibatches, n_micro, micro)
-  rows_only = (batch.replace(inputs=None, turn_label=None), targets)  # every leaf has the row axis first
+  # Every leaf has the row axis first.
+  rows_only = (batch.replace(inputs=None, turn_label=None), targets)
   loss_fn = lambda params, micro: policy_loss(params, *micro, config=config, algo=algo,
                                               chunk_size=plan.chunk_size,
                                               teacher_params=teacher_params)

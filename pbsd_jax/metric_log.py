@@ -2,10 +2,10 @@
 
 One JSON object per line, `{"stage": ..., "step": ..., <metric>: <float>, ...}`, appended as
 the run goes (NaN, written as Python's `json` does, for a metric undefined at that step; such
-values are left out of TensorBoard); `report.plot_metrics` reads it back. A resumed stage first drops its rows after
-the restored step (`drop_after`) -- rows written after the last checkpoint by a run that was
-killed -- so the file holds each step once. In a multi-process run only process 0 writes
-(every process computes the same replicated metrics).
+values are left out of TensorBoard); `report.plot_metrics` reads it back. A resumed stage
+first drops its rows after the restored step (`drop_after`) -- rows written after the last
+checkpoint by a run that was killed -- so the file holds each step once. In a multi-process
+run only process 0 writes (every process computes the same replicated metrics).
 """
 
 from __future__ import annotations

@@ -1,0 +1,254 @@
+r"""Compare RL algorithms from one SFT checkpoint over seeds, and write the results page.
+
+  python scripts/compare.py --workdir=workdir/compare --methods=grpo,pbsd,opsd,rlsd,gear \
+      --seeds=3 --samples=16 --ood=workdir/compare/ood_tiers.jsonl
+
+The SFT stage runs once (`<workdir>/ckpt_sft`); then every method x seed trains from it in its
+own directory (`<workdir>/<method>_seed<s>`: checkpoints, metrics, `final_eval.json`) with
+`config.seed = s` (the RL prompts and sampling keys; the SFT checkpoint is shared), logging
+greedy validation accuracy every `config.eval.every` steps. Each finished run is evaluated
+once: greedy and top-p (`config.eval`, `--samples` per question) on the first
+`config.eval.num_examples` validation questions and on the `--ood` question file (the
+tiers `scripts/stratify.py` writes). Everything resumes: re-running skips finished runs and
+evaluations. `--results` (default `docs/results.md`) gets the tables and its PNGs go beside
+it: accuracy (mean and spread over seeds), the difference of each method from GRPO paired by
+seed with a bootstrap interval over questions, accuracy against step, the dynamics of PBSD
+and GRPO, pass@k, and the credit AUCs (`pbsd_jax.credit_quality`).
+"""
+
+import datetime
+import json
+import os
+import time
+
+from absl import flags
+from absl import logging
+
+from pbsd_jax import cli
+
+_CONFIG = cli.define_config(
+    os.path.join(os.path.dirname(__file__), "..", "configs", "demo.py"))
+_WORKDIR = flags.DEFINE_string("workdir", "workdir/compare", "The shared SFT and the runs.")
+_METHODS = flags.DEFINE_list("methods", ["grpo", "pbsd", "opsd", "rlsd", "gear"],
+                             "Algorithms to compare (GRPO first: the baseline).")
+_SEEDS = flags.DEFINE_integer("seeds", 3, "Seeds per method (0 .. seeds-1).")
+_SAMPLES = flags.DEFINE_integer("samples", 16, "Top-p samples per question (pass@k up to it).")
+_OOD = flags.DEFINE_string("ood", "", "A question file with tiers (scripts/stratify.py).")
+_RESULTS = flags.DEFINE_string("results", "docs/results.md", "The results page to write.")
+_FORCE_RESUME = flags.DEFINE_bool("force_resume", False, "As in scripts/train.py.")
+
+
+def _write_json(path, value):
+  tmp = f"{path}.tmp-{os.getpid()}"
+  with open(tmp, "w") as f:
+    json.dump(value, f, indent=1, default=float)
+  os.replace(tmp, path)
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.WARNING)
+  import jax
+  import tqdm
+
+  from pbsd_jax import evaluate, policy_checkpoint, run_config, task as task_lib, train
+  from pbsd_jax import workdir as workdir_lib
+  from pbsd_jax.metric_log import MetricLog
+
+  start = time.time()
+  config, workdir = _CONFIG.value, _WORKDIR.value
+  if "grpo" not in _METHODS.value:
+    raise SystemExit("compare: --methods must include grpo (the baseline of the paired "
+                     "differences)")
+  run_config.validate_for_script(config)
+  workdir_lib.claim_for_script(workdir, config, force=_FORCE_RESUME.value)
+  task = task_lib.prepare_task(config, workdir)
+  splits = {"validation": task.splits["rl_validation"][:config.eval.num_examples]}
+  if _OOD.value:
+    try:
+      splits["ood"] = task.records(_OOD.value)
+    except (FileNotFoundError, ValueError) as err:
+      raise SystemExit(f"compare: --ood: {err}") from None
+  model = run_config.build_model_config(config, task.vocab.vocab_size)
+  mesh = run_config.mesh_for_script(config, model)
+  policy_checkpoint.save_model_config(workdir, model)
+  sft = train.sft_stage(config, task, model, workdir, MetricLog(workdir), mesh,
+                        progress=tqdm.tqdm, force_resume=_FORCE_RESUME.value)
+
+  def final_eval(run_dir, settings, params):
+    path = os.path.join(run_dir, "final_eval.json")
+    if os.path.exists(path):
+      with open(path) as f:
+        return json.load(f)
+    algo = run_config.build_algorithm(settings)
+    result = {name: evaluate.evaluate_policy(
+        model, task.env, params, records, task.encode, task.index, batch_size=64,
+        rng=jax.random.fold_in(jax.random.key(settings.seed), i),
+        prompt_width=config.data.prompt_width, gold_width=config.data.gold_width,
+        samples_per_question=_SAMPLES.value, temperature=config.eval.temperature,
+        top_p=config.eval.top_p, pass_k=tuple(k for k in config.eval.pass_k
+                                                if k <= _SAMPLES.value),
+        credit_algo=algo if "logp_teacher" in algo.needs else None,
+        progress=lambda it, **kw: tqdm.tqdm(it, leave=False, **kw))
+        for i, (name, records) in enumerate(splits.items())}
+    _write_json(path, result)
+    return result
+
+  base = config.copy_and_resolve_references()
+  base.algorithm = "pbsd"  # the SFT checkpoint is scored with PBSD's evidence
+  evals = {("sft", 0): final_eval(workdir, base, sft.params)}
+  runs = {}
+  for method in _METHODS.value:
+    for seed in range(_SEEDS.value):
+      settings = config.copy_and_resolve_references()
+      settings.algorithm, settings.seed = method, seed
+      run_config.validate_for_script(settings)
+      run_dir = os.path.join(workdir, f"{method}_seed{seed}")
+      workdir_lib.claim_for_script(run_dir, settings, force=_FORCE_RESUME.value)
+      policy_checkpoint.save_model_config(run_dir, model)
+      log = MetricLog(run_dir)
+      state = train.rl_stage(settings, task, model, sft.params, run_dir, log, mesh,
+                             progress=tqdm.tqdm, force_resume=_FORCE_RESUME.value)
+      evals[(method, seed)] = final_eval(run_dir, settings, state.params)
+      runs[(method, seed)] = log.path
+      print(f"compare: {method} seed {seed}: greedy validation "
+            f"{evals[(method, seed)]['validation']['greedy']['accuracy']:.1%}", flush=True)
+  page = write_results(_RESULTS.value, evals, runs, _METHODS.value, config,
+                       minutes=(time.time() - start) / 60)
+  print(f"compare: wrote {page}")
+
+
+def write_results(path, evals, runs, methods, config, minutes):
+  """The results page from the runs' evaluations and metrics (module docstring)."""
+  import jax
+  import numpy as np
+
+  from pbsd_jax import results
+
+  out_dir = os.path.dirname(os.path.abspath(path))
+  seeds = sorted({s for (m, s) in runs})
+  rows_of = lambda method: ([evals[("sft", 0)]] if method == "sft" else
+                            [evals[(method, s)] for s in seeds])
+  splits = list(evals[("sft", 0)])
+  cell = lambda values: "{:.1f} ± {:.1f}".format(*(100 * x for x in results.mean_sd(values)))
+
+  # Table 1: accuracy per method (mean ± sd over seeds).
+  tiers = [t for t in evals[("sft", 0)].get("ood", {}).get("greedy", {}).get(
+      "tier_accuracy", {})]
+  kmax = max(int(k) for k in evals[("sft", 0)]["validation"]["top_p"]["pass_at_k"])
+  header = ["method", "greedy val", "top-p val", f"pass@{kmax} val"] + [
+      f"OOD {t} (greedy)" for t in tiers] + (["OOD top-p"] if tiers else [])
+  table = []
+  for method in ["sft", *methods]:
+    got = rows_of(method)
+    row = [method.upper(), cell([r["validation"]["greedy"]["accuracy"] for r in got]),
+           cell([r["validation"]["top_p"]["accuracy"] for r in got]),
+           cell([r["validation"]["top_p"]["pass_at_k"][str(kmax)] for r in got])]
+    row += [cell([r["ood"]["greedy"]["tier_accuracy"][t] for r in got]) for t in tiers]
+    row += [cell([r["ood"]["top_p"]["accuracy"] for r in got])] if tiers else []
+    table.append(row)
+
+  # Differences from GRPO, paired by seed, with an interval over questions.
+  def scores(method, split, setting):
+    return np.stack([np.asarray(evals[(method, s)][split][setting]["solve_counts"]) /
+                     evals[(method, s)][split][setting]["samples_per_question"] for s in seeds])
+  diffs = []
+  for method in methods:
+    if method == "grpo":
+      continue
+    row = [f"{method.upper()} - GRPO"]
+    for split in splits:
+      for setting in ("greedy", "top_p"):
+        d, lo, hi = results.paired_bootstrap(scores("grpo", split, setting),
+                                             scores(method, split, setting))
+        row.append(f"{100 * d:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]")
+    diffs.append(row)
+  diff_header = ["difference"] + [f"{split} {setting}" for split in splits
+                                  for setting in ("greedy", "top-p")]
+
+  # Curves: accuracy vs step, dynamics, pass@k.
+  curve = lambda method, stage, key: results.mean_over_runs(
+      [results.metric_series(runs[(method, s)], stage, key) for s in seeds])
+  figures = {}
+  figures["accuracy_vs_step"] = results.plot_panels(
+      {"greedy validation accuracy (mean over seeds)":
+       {m.upper(): curve(m, "eval", "accuracy") for m in methods}},
+      os.path.join(out_dir, "results_accuracy_vs_step.png"))
+  pair = [m for m in ("grpo", "pbsd") if m in methods]
+  dynamics = {"mean turns": "mean_turns", "generated tokens": "mean_action_tokens",
+              "teacher > student (fraction of turns)": "credit/frac_evidence_pos",
+              "mean |evidence|": "credit/mean_abs_evidence"}
+  figures["dynamics"] = results.plot_panels(
+      {title: {m.upper(): curve(m, "rl", key) for m in pair
+               if not np.all(np.isnan(curve(m, "rl", key)[1]))}
+       for title, key in dynamics.items()},
+      os.path.join(out_dir, "results_dynamics.png"), smooth_window=5)
+  ks = sorted(int(k) for k in evals[("sft", 0)]["validation"]["top_p"]["pass_at_k"])
+  figures["pass_at_k"] = results.plot_panels(
+      {f"pass@k, {split} (top-p)": {m.upper(): (np.asarray(ks), np.mean(
+          [[r[split]["top_p"]["pass_at_k"][str(k)] for k in ks] for r in rows_of(m)], axis=0))
+          for m in ["sft", *methods]} for split in splits},
+      os.path.join(out_dir, "results_pass_at_k.png"), xlabel="k")
+
+  # Credit quality: AUCs over the RL steps (mean over steps and seeds) and on validation.
+  credit_keys = ["credit/auc_weight", "credit/auc_weight_solved", "credit/auc_weight_failed",
+                 "credit/auc_evidence", "credit/auc_evidence_solved",
+                 "credit/auc_evidence_failed", "credit/frac_useful",
+                 "credit/frac_evidence_pos", "credit/mean_abs_evidence"]
+  credit_rows = []
+  for method in methods:
+    row = [method.upper()]
+    for key in credit_keys:
+      value = results.nanmean([results.nanmean(results.metric_series(runs[(method, s)], "rl",
+                                                                      key)[1]) for s in seeds])
+      row.append("-" if np.isnan(value) else f"{value:.3f}")
+    credit_rows.append(row)
+  eval_credit = []
+  for method in ["sft", *methods]:
+    got = [r["validation"]["top_p"].get("credit") for r in rows_of(method)]
+    if got[0] is not None:
+      keys = ("auc_evidence", "auc_evidence_solved", "auc_evidence_failed", "frac_useful",
+              "frac_evidence_pos", "mean_abs_evidence")
+      eval_credit.append([method.upper()] + [
+          f"{float(results.nanmean([g[k] for g in got])):.3f}" for k in keys])
+
+  device = jax.devices()[0]
+  lines = [
+      "# Results: PBSD and the baselines from one SFT checkpoint", "",
+      f"Written by `scripts/compare.py` on {datetime.date.today()} ({device.platform}, "
+      f"{os.cpu_count()} CPU cores, {minutes:.0f} min for what this invocation ran). "
+      f"Config: `{config.model.name}` model, {config.rl.steps} RL steps of "
+      f"{config.rollout.prompts_per_step} prompts x {config.grpo.group_size} trajectories, "
+      f"SFT {config.sft.steps} steps (teacher_fraction {config.sft.teacher_fraction}), "
+      f"seeds {seeds}; evaluation on {evals[('sft', 0)]['validation']['greedy']['num_questions']}"
+      f" validation questions, top-p {config.eval.top_p} at temperature "
+      f"{config.eval.temperature} with {kmax} samples per question.", "",
+      "## Accuracy (%, mean ± sd over seeds; SFT: the shared checkpoint)", "",
+      results.markdown_table(header, table), "",
+      "## Difference from GRPO (points; paired by seed, 95% bootstrap interval over questions)",
+      "", results.markdown_table(diff_header, diffs), "",
+      "## Accuracy against RL step", "", "![accuracy](results_accuracy_vs_step.png)", "",
+      "## Dynamics, PBSD vs GRPO (raw: faint; moving average of 5 steps)", "",
+      "![dynamics](results_dynamics.png)", "",
+      "## pass@k", "", "![pass@k](results_pass_at_k.png)", "",
+      "## Credit quality (ROC AUC for useful vs. other search turns; 0.5 = chance)", "",
+      "During training (mean over RL steps and seeds). `auc_weight` ranks turns by the final "
+      "credit relative to the flat outcome advantage, `sign(A) * w` (GRPO: `sign(A)`); "
+      "`auc_evidence` by the turn evidence `s`.", "",
+      results.markdown_table(["method"] + [k.split("/")[1] for k in credit_keys],
+                             credit_rows), ""]
+  if eval_credit:
+    lines += ["On validation (top-p rollouts, evidence of each checkpoint on its own "
+              "trajectories):", "",
+              results.markdown_table(["checkpoint", "auc_evidence", "auc_evidence_solved",
+                                      "auc_evidence_failed", "frac_useful",
+                                      "frac_evidence_pos", "mean_abs_evidence"], eval_credit),
+              ""]
+  os.makedirs(out_dir, exist_ok=True)
+  with open(path, "w") as f:
+    f.write("\n".join(lines))
+  return path
+
+
+if __name__ == "__main__":
+  cli.run(main)
