@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install bench bench-peers-venv clean
+.PHONY: demo test install compare bench bench-peers-venv clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -n 2 tests
+
+# GRPO, PBSD, OPSD, RLSD and GEAR x 3 seeds from one SFT checkpoint -> docs/results.md
+# (hours on 2 CPU cores; resumable: re-run to continue).
+compare: $(STAMP)
+	$(VENV)/bin/python scripts/compare.py --workdir workdir/compare
 
 # Side-by-side benchmarks (docs/benchmarks.md); the peers need their own venv first.
 bench-peers-venv:

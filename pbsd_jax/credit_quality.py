@@ -139,8 +139,10 @@ def batch_metrics(algo, inputs, token_advantages: Array, turn_label: Array) -> d
 
 def turn_signed_credit(token_advantages: Array, outcome: Array, turn_ids: Array,
                        max_turns: int) -> Array:
-  """`f32[B, K]` each turn's mean token advantage divided by `|A|` (`sign(A) * w` for PBSD,
-  `sign(A)` for GRPO); 0 on rows with `A = 0` and on absent turns."""
-  mean = credit.turn_evidence(token_advantages, turn_ids, max_turns)
-  scale = jnp.abs(outcome)[:, None]
-  return jnp.where(scale > 0, mean / jnp.where(scale > 0, scale, 1.0), 0.0)
+  """`f32[B, K]` each turn's credit relative to the flat outcome advantage, signed by it:
+  `sign(A)` times the turn's mean of `A_t / A` (`sign(A) * w` for PBSD, exactly `sign(A)` for
+  GRPO: the ratio is taken per token, so equal advantages give exactly 1); 0 on rows with
+  `A = 0` and on absent turns."""
+  scale = outcome[:, None]
+  ratio = jnp.where(scale != 0, token_advantages / jnp.where(scale != 0, scale, 1.0), 0.0)
+  return jnp.sign(outcome)[:, None] * credit.turn_evidence(ratio, turn_ids, max_turns)
