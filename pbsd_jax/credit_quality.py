@@ -140,9 +140,11 @@ def batch_metrics(algo, inputs, token_advantages: Array, turn_label: Array) -> d
 def turn_signed_credit(token_advantages: Array, outcome: Array, turn_ids: Array,
                        max_turns: int) -> Array:
   """`f32[B, K]` each turn's credit relative to the flat outcome advantage, signed by it:
-  `sign(A)` times the turn's mean of `A_t / A` (`sign(A) * w` for PBSD, exactly `sign(A)` for
-  GRPO: the ratio is taken per token, so equal advantages give exactly 1); 0 on rows with
-  `A = 0` and on absent turns."""
+  `sign(A)` times the turn's mean of `A_t / A` (`sign(A) * w` for PBSD, `sign(A)` for GRPO);
+  0 on rows with `A = 0` and on absent turns. The result is rounded to 1e-5: XLA divides by
+  multiplying with a reciprocal, which leaves GRPO's `A / A` (and a mean of ones) an ulp off
+  1 on some rows, and that noise must not rank turns that carry the same credit."""
   scale = outcome[:, None]
   ratio = jnp.where(scale != 0, token_advantages / jnp.where(scale != 0, scale, 1.0), 0.0)
-  return jnp.sign(outcome)[:, None] * credit.turn_evidence(ratio, turn_ids, max_turns)
+  signed = jnp.sign(outcome)[:, None] * credit.turn_evidence(ratio, turn_ids, max_turns)
+  return jnp.round(signed * 1e5) / 1e5

@@ -11,6 +11,7 @@ environment). Nothing here trains: evaluation scripts import this module, not th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any
 
@@ -51,6 +52,14 @@ class Task:
 
   def decode(self, ids) -> str:
     return self.vocab.decode([int(i) for i in ids])
+
+  @functools.cached_property
+  def rl_widths(self) -> tuple[int, int | None]:
+    """`rl_train`'s most golden answers and most hops (None unless every record has a gold
+    chain): the widths that give every RL batch one shape."""
+    train = self.splits["rl_train"]
+    hops = max(r["hops"] for r in train) if all("chain" in r for r in train) else None
+    return max(len(r["golden_answers"]) for r in train), hops
 
   def records(self, name: str) -> list[dict]:
     """A split by name, or the questions of a Search-R1 `.jsonl` / `.parquet` file."""
@@ -168,11 +177,9 @@ def rl_batch(task: Task, config, records: list[dict]) -> dict[str, np.ndarray]:
                          config.data.prompt_width,
                          protocol.PROMPT_TEMPLATES[config.data.prompt_template],
                          answers=[r["golden_answers"][0] for r in records])
-  # As many answer slots as the split's most, so every step's batch has one shape.
-  train = task.splits["rl_train"]
-  slots = max(len(r["golden_answers"]) for r in train)
+  slots, hops = task.rl_widths  # every step's batch has one shape
   batch = dict(**region, gold=gold_batch([r["golden_answers"] for r in records], task.encode,
                                          config.data.gold_width, slots))
-  if all("chain" in r for r in train):
-    batch["gold_docs"] = gold_doc_batch(records, max(r["hops"] for r in train))
+  if hops is not None:
+    batch["gold_docs"] = gold_doc_batch(records, hops)
   return batch

@@ -170,3 +170,19 @@ def test_an_rl_step_reports_the_auc_of_the_evidence_and_of_the_signed_credit(kg,
   assert float(grpo_metrics["credit/auc_weight_solved"]) == 0.5
   assert float(grpo_metrics["credit/auc_weight"]) == pytest.approx(
       _pairwise_auc(sign[:, None].repeat(MAX_TURNS, 1)[labelled], useful[labelled]))
+
+
+def test_flat_advantages_give_exactly_the_sign_of_the_outcome_in_any_turn_length():
+  """XLA divides by a reciprocal: without rounding, `A / A` over a turn was an ulp off 1 on
+  some rows, and the AUC of GRPO's credit within solved trajectories came out 0.2-0.4."""
+  outcome = jax.random.uniform(jax.random.key(0), (64,), minval=-2.0, maxval=2.0)
+  outcome = outcome.at[:3].set(0.0)
+  lengths = np.random.default_rng(0).integers(1, 60, size=(64, 4))
+  turn_ids = np.full((64, 250), -1, np.int32)
+  for b, row in enumerate(lengths):
+    turn_ids[b, :row.sum()] = np.repeat(np.arange(4), row)
+  tokens = jnp.where(jnp.asarray(turn_ids) >= 0, outcome[:, None], 0.0)
+  got = np.asarray(jax.jit(cq.turn_signed_credit, static_argnums=3)(
+      tokens, outcome, jnp.asarray(turn_ids), 5))
+  want = np.where(np.arange(5) < 4, np.sign(np.asarray(outcome))[:, None], 0.0)
+  np.testing.assert_array_equal(got, want)
