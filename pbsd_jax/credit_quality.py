@@ -88,22 +88,23 @@ def roc_auc(score: Array, positive: Array, valid: Array) -> Array:
   return jnp.where((n_pos > 0) & (n_neg > 0), u / jnp.maximum(n_pos * n_neg, 1.0), jnp.nan)
 
 
-def quality_metrics(turn_label: Array, solved: Array, signed_credit: Array,
-                    credited: Array, evidence: Array | None = None) -> dict:
+def quality_metrics(turn_label: Array, solved: Array, signed_credit: Array | None = None,
+                    credited: Array | None = None, evidence: Array | None = None) -> dict:
   """`credit/` metrics of a batch: AUCs of the credit signals for useful turns.
 
   Args:
     turn_label: `i32[B, K]` (`turn_labels`).
     solved: `bool[B]` trajectories whose reward is positive.
     signed_credit: `f32[B, K]` each turn's credit relative to the flat outcome advantage,
-      `sign(A) * w` (`turn_signed_credit`).
+      `sign(A) * w` (`turn_signed_credit`), or None (no weight AUCs).
     credited: `bool[B]` rows whose outcome advantage is non-zero (where `signed_credit` is
-      defined).
+      defined); required with `signed_credit`.
     evidence: `f32[B, K]` turn evidence `s`, or None for an algorithm without one.
 
   Returns:
-    `credit/frac_useful` and `credit/labelled_turns`; `credit/auc_weight{,_solved,_failed}`
-    and, with `evidence`, `credit/auc_evidence{,_solved,_failed}` (NaN where a class is empty).
+    `credit/frac_useful` and `credit/labelled_turns`; with `signed_credit`,
+    `credit/auc_weight{,_solved,_failed}`; with `evidence`, `credit/auc_evidence{,_solved,
+    _failed}` (NaN where a class is empty).
   """
   labelled = turn_label != UNLABELLED
   useful = turn_label == USEFUL
@@ -112,8 +113,9 @@ def quality_metrics(turn_label: Array, solved: Array, signed_credit: Array,
              "credit/frac_useful": jnp.sum(useful) / jnp.maximum(n, 1).astype(jnp.float32)}
   rows = {"": jnp.ones_like(solved), "_solved": solved, "_failed": ~solved}
   for suffix, keep in rows.items():
-    metrics[f"credit/auc_weight{suffix}"] = roc_auc(
-        signed_credit, useful, labelled & (keep & credited)[:, None])
+    if signed_credit is not None:
+      metrics[f"credit/auc_weight{suffix}"] = roc_auc(
+          signed_credit, useful, labelled & (keep & credited)[:, None])
     if evidence is not None:
       metrics[f"credit/auc_evidence{suffix}"] = roc_auc(evidence, useful,
                                                         labelled & keep[:, None])

@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pbsd_jax import credit_quality, likelihood, privileged
-from pbsd_jax.algorithms import AdvantageInputs
+from pbsd_jax import credit_quality
 from pbsd_jax.batch import gold_batch, prompt_region
 from pbsd_jax.credit_quality import gold_doc_batch
+from pbsd_jax.evidence import policy_batch
 from pbsd_jax.env import protocol
 from pbsd_jax.env.agent_env import AgentEnv
 from pbsd_jax.env.bm25 import BM25Index
@@ -184,9 +184,9 @@ def evaluate(sampler: Sampler, env: AgentEnv, params: Any, records: Sequence[Map
     pass_k: the k of pass@k (those above n are left out).
     template: the prompt template (`protocol.format_prompt`).
     progress: wraps the batch iterator (e.g. `tqdm.tqdm`); gets `desc` and `total`.
-    credit_algo: an algorithm with turn evidence (PBSD, RLSD): when every record has a gold
-      chain, each trajectory is also scored on its teacher prompt and the result gains
-      `credit` (`credit_summary`, pooled over every labelled turn of the split).
+    credit_algo: the run's algorithm: when it computes turn evidence (PBSD, RLSD) and every
+      record has a gold chain, each trajectory is also scored on its teacher prompt and the
+      result gains `credit` (`credit_summary`, pooled over every labelled turn of the split).
 
   Returns:
     The dict of `summarize` (and `credit`).
@@ -199,7 +199,8 @@ def evaluate(sampler: Sampler, env: AgentEnv, params: Any, records: Sequence[Map
     raise ValueError("no records to evaluate")
   # Encoded once for all records (so every batch has the same number of gold variants);
   # each batch takes its rows.
-  with_credit = credit_algo is not None and all("chain" in r for r in records)
+  with_credit = (credit_algo is not None and "logp_teacher" in credit_algo.needs
+                 and all("chain" in r for r in records))
   region = prompt_region([r["question"] for r in records], encode, prompt_width, template,
                          answers=([r["golden_answers"][0] for r in records] if with_credit
                                   else None))
@@ -237,14 +238,10 @@ def evaluate(sampler: Sampler, env: AgentEnv, params: Any, records: Sequence[Map
 @functools.partial(jax.jit, static_argnums=(0, 1, 2))
 def _turn_evidence(algo: Any, model: ModelConfig, max_turns: int, params: Any, rollout: Any,
                    teacher_prompt: jax.Array, teacher_prompt_mask: jax.Array) -> jax.Array:
-  """`f32[B, K]` the algorithm's turn evidence `s` of a rollout (one dual-likelihood pass)."""
-  teacher = privileged.teacher_sequence(rollout.tokens, rollout.mask, teacher_prompt,
-                                        teacher_prompt_mask)
-  logp = likelihood.dual_logprobs(params, model, rollout.tokens, rollout.mask, *teacher,
-                                  score_from=rollout.prompt_width)
-  inputs = AdvantageInputs(rewards=rollout.reward, action_mask=rollout.action_mask,
-                           turn_ids=rollout.turn_ids, step=jnp.int32(0), max_turns=max_turns,
-                           logp_student=logp[0], logp_teacher=logp[1])
+  """`f32[B, K]` the algorithm's turn evidence `s` of a rollout: the training step's evidence
+  pass (`evidence.policy_batch`), then `algo.turn_credit`."""
+  inputs = policy_batch(params, rollout, teacher_prompt, teacher_prompt_mask, jnp.int32(0),
+                        config=model, algo=algo, max_turns=max_turns).inputs
   return algo.turn_credit(jnp.zeros_like(rollout.reward), inputs).evidence
 
 
@@ -253,15 +250,13 @@ def credit_summary(turn_label: np.ndarray, evidence: np.ndarray, solved: np.ndar
   solved): the ROC AUC of `s` for useful vs. other labelled turns (all, solved, failed
   trajectories; NaN where a class is empty), the share of labelled turns that are useful and
   their count, and over the labelled turns the fraction with `s > 0` and the mean `|s|`."""
+  metrics = credit_quality.quality_metrics(jnp.asarray(turn_label), jnp.asarray(solved),
+                                           evidence=jnp.asarray(evidence))
+  summary = {k.removeprefix("credit/"): float(v) for k, v in metrics.items()}
+  summary["labelled_turns"] = int(summary["labelled_turns"])
   labelled = turn_label != credit_quality.UNLABELLED
-  useful = turn_label == credit_quality.USEFUL
-  auc = lambda rows: float(credit_quality.roc_auc(jnp.asarray(evidence), jnp.asarray(useful),
-                                                  jnp.asarray(labelled & rows[:, None])))
   n = max(int(labelled.sum()), 1)
-  return {"auc_evidence": auc(np.ones_like(solved)), "auc_evidence_solved": auc(solved),
-          "auc_evidence_failed": auc(~solved), "frac_useful": float(useful.sum() / n),
-          "labelled_turns": int(labelled.sum()),
-          "frac_evidence_pos": float(np.sum(labelled & (evidence > 0)) / n),
+  return {**summary, "frac_evidence_pos": float(np.sum(labelled & (evidence > 0)) / n),
           "mean_abs_evidence": float(np.sum(np.where(labelled, np.abs(evidence), 0.0)) / n)}
 
 

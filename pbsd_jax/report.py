@@ -100,39 +100,6 @@ def plot_metrics(metrics_jsonl_path: str, out_dir: str,
   return paths
 
 
-def plot_runs(runs: Mapping[str, str], stage: str, key: str, path: str,
-              title: str | None = None) -> str | None:
-  """One PNG of metric `key` of `stage` against step, one line per run (`{label: metrics
-  jsonl path}`), e.g. the validation accuracy of GRPO and PBSD from one SFT checkpoint. NaN
-  values (undefined at a step) leave gaps. Returns `path`, or None (and draws nothing) when
-  no run has the metric."""
-  import matplotlib
-  matplotlib.use("Agg")
-  from matplotlib import pyplot as plt
-
-  series = {}
-  for label, metrics_path in runs.items():
-    rows = [row for _, row in iter_jsonl(metrics_path)
-            if row.get("stage") == stage and isinstance(row.get(key), (int, float))]
-    if rows:
-      series[label] = ([r["step"] for r in rows], [float(r[key]) for r in rows])
-  if not series:
-    _log.warning("plot_runs: no run has %s rows with %r; no plot", stage, key)
-    return None
-  fig, ax = plt.subplots(figsize=(6, 3.5))
-  for label, (steps, values) in series.items():
-    ax.plot(steps, values, marker="." if len(steps) < 50 else None, label=label)
-  ax.set_xlabel("step")
-  ax.set_title(title or key)
-  ax.grid(alpha=0.3)
-  ax.legend()
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.savefig(path, dpi=100)
-  plt.close(fig)
-  return path
-
-
 @dataclasses.dataclass(frozen=True)
 class TrajectoryCredit:
   """One trajectory as the credit page shows it.

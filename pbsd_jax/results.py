@@ -87,12 +87,20 @@ def mean_over_runs(series: Sequence[tuple[np.ndarray, np.ndarray]]
 
 
 def plot_panels(panels: Mapping[str, Mapping[str, tuple[np.ndarray, np.ndarray]]], path: str,
-                xlabel: str = "step", smooth_window: int = 0) -> str:
+                xlabel: str = "step", smooth_window: int = 0) -> str | None:
   """One PNG of side-by-side panels `{title: {label: (x, y)}}`; with `smooth_window`, each
-  curve is drawn faint and its moving average over it."""
+  curve is drawn faint and its moving average over it. NaN values (a metric undefined at a
+  step) leave gaps; a curve with no value at all is left out, and so is a panel without
+  curves. Returns `path`, or None (nothing drawn) when no panel is left."""
   import matplotlib
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt
+
+  panels = {title: kept for title, curves in panels.items()
+            if (kept := {label: c for label, c in curves.items()
+                         if np.any(np.isfinite(np.asarray(c[1], np.float64)))})}
+  if not panels:
+    return None
 
   fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
   for ax, (title, curves) in zip(axes[0], panels.items()):

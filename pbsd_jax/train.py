@@ -278,13 +278,12 @@ def validation_accuracy(config, task: Task, model: ModelConfig, params: Any,
   `evaluate.evaluate`'s statistics (in-graph retrieval, the seed's key); with `credit` and an
   algorithm that computes turn evidence, its `credit` statistics too."""
   from pbsd_jax import evaluate
-  algo = run_config.build_algorithm(config)
   return evaluate.evaluate(
       Sampler(model, temperature=0.0), task.env, params,
       task.splits["rl_validation"][:config.eval.num_examples], task.encode, task.index,
       batch_size=50, rng=jax.random.key(config.seed), prompt_width=config.data.prompt_width,
       gold_width=config.data.gold_width, progress=progress,
-      credit_algo=algo if credit and "logp_teacher" in algo.needs else None)
+      credit_algo=run_config.build_algorithm(config) if credit else None)
 
 
 def _log_validation(config, task: Task, model: ModelConfig, params: Any, log: MetricLog,

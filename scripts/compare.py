@@ -88,7 +88,7 @@ def main(argv):
         samples_per_question=_SAMPLES.value, temperature=config.eval.temperature,
         top_p=config.eval.top_p, pass_k=tuple(k for k in config.eval.pass_k
                                                 if k <= _SAMPLES.value),
-        credit_algo=algo if "logp_teacher" in algo.needs else None,
+        credit_algo=algo,
         progress=lambda it, **kw: tqdm.tqdm(it, leave=False, **kw))
         for i, (name, records) in enumerate(splits.items())}
     _write_json(path, result)
@@ -135,7 +135,8 @@ def write_results(path, evals, runs, methods, config, minutes):
   # Table 1: accuracy per method (mean ± sd over seeds).
   tiers = [t for t in evals[("sft", 0)].get("ood", {}).get("greedy", {}).get(
       "tier_accuracy", {})]
-  kmax = max(int(k) for k in evals[("sft", 0)]["validation"]["top_p"]["pass_at_k"])
+  ks = sorted(int(k) for k in evals[("sft", 0)]["validation"]["top_p"]["pass_at_k"])
+  kmax = ks[-1]
   header = ["method", "greedy val", "top-p val", f"pass@{kmax} val"] + [
       f"OOD {t} (greedy)" for t in tiers] + (["OOD top-p"] if tiers else [])
   table = []
@@ -169,8 +170,7 @@ def write_results(path, evals, runs, methods, config, minutes):
   # Curves: accuracy vs step, dynamics, pass@k.
   curve = lambda method, stage, key: results.mean_over_runs(
       [results.metric_series(runs[(method, s)], stage, key) for s in seeds])
-  figures = {}
-  figures["accuracy_vs_step"] = results.plot_panels(
+  results.plot_panels(
       {"greedy validation accuracy (mean over seeds)":
        {m.upper(): curve(m, "eval", "accuracy") for m in methods}},
       os.path.join(out_dir, "results_accuracy_vs_step.png"))
@@ -178,13 +178,10 @@ def write_results(path, evals, runs, methods, config, minutes):
   dynamics = {"mean turns": "mean_turns", "generated tokens": "mean_action_tokens",
               "teacher > student (fraction of turns)": "credit/frac_evidence_pos",
               "mean |evidence|": "credit/mean_abs_evidence"}
-  figures["dynamics"] = results.plot_panels(
-      {title: {m.upper(): curve(m, "rl", key) for m in pair
-               if not np.all(np.isnan(curve(m, "rl", key)[1]))}
-       for title, key in dynamics.items()},
+  results.plot_panels(
+      {title: {m.upper(): curve(m, "rl", key) for m in pair} for title, key in dynamics.items()},
       os.path.join(out_dir, "results_dynamics.png"), smooth_window=5)
-  ks = sorted(int(k) for k in evals[("sft", 0)]["validation"]["top_p"]["pass_at_k"])
-  figures["pass_at_k"] = results.plot_panels(
+  results.plot_panels(
       {f"pass@k, {split} (top-p)": {m.upper(): (np.asarray(ks), np.mean(
           [[r[split]["top_p"]["pass_at_k"][str(k)] for k in ks] for r in rows_of(m)], axis=0))
           for m in ["sft", *methods]} for split in splits},

@@ -32,7 +32,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   import tqdm
 
-  from pbsd_jax import policy_checkpoint, report, run_config, task as task_lib, train
+  from pbsd_jax import policy_checkpoint, report, results, run_config, task as task_lib, train
   from pbsd_jax import workdir as workdir_lib
   from pbsd_jax.metric_log import MetricLog
 
@@ -80,8 +80,10 @@ def main(argv):
     accuracy[name] = validation_accuracy(rl_state.params, name, run_dir, rl_config)
     report.plot_metrics(run_log.path, run_dir)
     runs[name] = run_log.path
-  plots = [report.plot_runs(runs, stage, key, os.path.join(workdir, f"{out}.png"), title)
-           for stage, key, out, title in _COMPARISONS]
+  plots = [results.plot_panels(
+      {title: {name.upper(): results.metric_series(path, stage, key)
+               for name, path in runs.items()}}, os.path.join(workdir, f"{out}.png"))
+      for stage, key, out, title in _COMPARISONS]
   print(f"demo: finished in {(time.time() - start) / 60:.1f} min; report in {workdir}: "
         f"{', '.join(os.path.basename(p) for p in plots if p)}, per-run plots in "
         f"{', '.join(f'{name}/' for name in runs)}")

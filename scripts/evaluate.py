@@ -85,7 +85,7 @@ def main(argv):
         samples_per_question=samples, temperature=config.eval.temperature,
         top_p=config.eval.top_p, pass_k=tuple(config.eval.pass_k), template=template,
         progress=lambda it, **kw: tqdm.tqdm(it, leave=False, **kw),
-        credit_algo=algo if "logp_teacher" in algo.needs else None)
+        credit_algo=algo)
     results["splits"][name] = got
     print(f"\n{name} ({len(records)} questions), {os.path.basename(ckpt_dir)}"
           f"{'' if step is None else f' step {step}'}")
