@@ -219,7 +219,9 @@ def write_results(path, evals, runs, methods, config, minutes):
       f"SFT {config.sft.steps} steps (teacher_fraction {config.sft.teacher_fraction}), "
       f"seeds {seeds}; evaluation on {evals[('sft', 0)]['validation']['greedy']['num_questions']}"
       f" validation questions, top-p {config.eval.top_p} at temperature "
-      f"{config.eval.temperature} with {kmax} samples per question.", "",
+      f"{config.eval.temperature} with "
+      f"{evals[('sft', 0)]['validation']['top_p']['samples_per_question']} samples per "
+      "question.", "",
       "## Accuracy (%, mean ± sd over seeds; SFT: the shared checkpoint)", "",
       results.markdown_table(header, table), "",
       "## Difference from GRPO (points; paired by seed, 95% bootstrap interval over questions)",
