@@ -24,17 +24,26 @@ def get_config() -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict(dict(name="tiny", init_dir="", param_dtype="float32",
                                            dtype="float32", remat=False, attention="ours"))
 
-  # Data: `dir` holds make_data.py output (made there if missing and `make_if_missing`).
+  # Data: the embedded task, where `dir` holds make_data.py output (made there if missing and
+  # `make_if_missing`); or user files (comma-separated, Search-R1 .jsonl/.parquet with
+  # `question`, `golden_answers`): `train_files`, `eval_files`, and `sft_files` (JSONL of
+  # `question` + `trajectory` text). `corpus`: a corpus JSONL (`id`, `contents`) for the
+  # ingraph/host/bm25s retrievers (default: the embedded corpus). `chat_template`: render
+  # prompts with the init_dir model's chat template.
   c.data = ml_collections.ConfigDict(dict(dir="", make_if_missing=True, data_seed=0,
                                           prompt_width=72, gold_width=12,
-                                          prompt_template="default"))
+                                          prompt_template="default", train_files="",
+                                          eval_files="", sft_files="", corpus="",
+                                          chat_template=True))
 
   # Environment: `retriever` is "ingraph" (BM25Index, whole step in one jit), "host" (the
-  # same index through the host turn loop) or "http" (a Search-R1 retrieval server at `url`).
+  # same index through the host turn loop), "bm25s" (a host bm25s index: `index_dir` from
+  # scripts/build_index.py, else built from data.corpus) or "http" (a Search-R1 retrieval
+  # server at `url`).
   c.env = ml_collections.ConfigDict(dict(
-      retriever="ingraph", url="", timeout_s=10.0, max_retries=3, buffer_size=640,
-      max_turns=7, max_action_tokens=48, max_observation_tokens=44, max_query_tokens=12,
-      top_k=1))
+      retriever="ingraph", url="", timeout_s=10.0, max_retries=3, index_dir="",
+      buffer_size=640, max_turns=7, max_action_tokens=48, max_observation_tokens=44,
+      max_query_tokens=12, top_k=1))
 
   # Rollout (paper: 32 prompts x 8 trajectories, temperature 1, top-p 1).
   c.rollout = ml_collections.ConfigDict(dict(prompts_per_step=32, temperature=1.0, top_p=1.0,
@@ -46,9 +55,12 @@ def get_config() -> ml_collections.ConfigDict:
 
   # RL stage: PPO epochs x mini-batches per step; micro_batch_size 0 = the whole mini-batch;
   # chunk_size 0 = the LM head over the whole sequence at once; max_skipped_steps: stop the
-  # run when this many steps in a row had every update skipped as non-finite (0: never stop).
+  # run when this many steps in a row had every update skipped as non-finite (0: never stop);
+  # save_rollouts: every this many steps, write the step's rollout (the trained-on tokens, masks,
+  # rewards) to <workdir>/rollouts/rl_<step>.npz (0: never).
   c.rl = ml_collections.ConfigDict(dict(steps=112, epochs=1, minibatches=1,
-                                        micro_batch_size=0, chunk_size=0, max_skipped_steps=5))
+                                        micro_batch_size=0, chunk_size=0, max_skipped_steps=5,
+                                        save_rollouts=0))
 
   # SFT stage on oracle trajectories (0 steps: skip; max_examples 0: the whole SFT split).
   # teacher_fraction: the share of each batch's rows trained on the teacher's privileged

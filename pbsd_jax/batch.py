@@ -21,8 +21,8 @@ Encode = Callable[[str], list[int]]
 def prompt_region(questions: Sequence[str], encode: Encode, width: int,
                   template: str = protocol.DEFAULT_PROMPT_TEMPLATE, *,
                   answers: Sequence[str] | None = None,
-                  privileged_template: str = privileged.DEFAULT_PRIVILEGED_TEMPLATE
-                  ) -> dict[str, np.ndarray]:
+                  privileged_template: str = privileged.DEFAULT_PRIVILEGED_TEMPLATE,
+                  chat: Callable[[str], str] | None = None) -> dict[str, np.ndarray]:
   """The prompt region of B questions (DESIGN.md §3), left-padded with 0 to `width` = P.
 
   Args:
@@ -33,6 +33,10 @@ def prompt_region(questions: Sequence[str], encode: Encode, width: int,
     answers: B verified answers: also build the teacher's privileged prompts
       (`privileged.dual_prompts`), which must fit the same width.
     privileged_template: the privileged block of the teacher prompt.
+    chat: renders a user message as the model's prompt text (`Task.chat`: its chat template
+      with the assistant's turn opened), or None for the plain prompt. The teacher's user
+      message is the student's with the privileged block after it; the regions still share
+      every trajectory column, since both are left-padded to P.
 
   Returns:
     `{"prompts": i32[B, P], "prompt_mask": bool[B, P]}`, plus `"teacher_prompt"` and
@@ -42,7 +46,8 @@ def prompt_region(questions: Sequence[str], encode: Encode, width: int,
     ValueError: `"record {i}: its prompt is {n} tokens, more than prompt_width={P}"` for the
       first student prompt that does not fit; a teacher prompt that does not fit is named too.
   """
-  student = [encode(protocol.format_prompt(q, template)) for q in questions]
+  messages = [protocol.format_prompt(q, template) for q in questions]
+  student = [encode(chat(m) if chat else m) for m in messages]
   for i, ids in enumerate(student):
     if len(ids) > width:
       raise ValueError(f"record {i}: its prompt is {len(ids)} tokens, more than "
@@ -50,8 +55,17 @@ def prompt_region(questions: Sequence[str], encode: Encode, width: int,
   if answers is None:
     tokens, mask = privileged.left_pad(student, width, pad_id=0)
     return {"prompts": tokens, "prompt_mask": mask}
-  tokens, mask, teacher, teacher_mask = privileged.dual_prompts(
-      student, answers, encode, width, pad_id=0, template=privileged_template)
+  if chat is None:
+    tokens, mask, teacher, teacher_mask = privileged.dual_prompts(
+        student, answers, encode, width, pad_id=0, template=privileged_template)
+  else:
+    tokens, mask = privileged.left_pad(student, width, pad_id=0)
+    try:
+      teacher, teacher_mask = privileged.left_pad(
+          [encode(chat(m + privileged.privileged_block(a, privileged_template)))
+           for m, a in zip(messages, answers)], width, pad_id=0)
+    except ValueError as e:
+      raise ValueError(f"teacher (privileged) {e}; raise data.prompt_width") from None
   return {"prompts": tokens, "prompt_mask": mask, "teacher_prompt": teacher,
           "teacher_prompt_mask": teacher_mask}
 

@@ -143,5 +143,15 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 
 def run(main: Callable[[list[str]], None]) -> None:
-  """`absl.app.run(main)` with `parse_flags`."""
-  app.run(main, flags_parser=parse_flags)
+  """`absl.app.run(main)` with `parse_flags`; a `run_config.ConfigError` that `main` raises
+  (e.g. from `task.prepare_task`) ends the script with its one line."""
+  def guarded(argv):
+    try:
+      return main(argv)
+    except ValueError as err:
+      from pbsd_jax.run_config import ConfigError  # imports JAX: only once main has run
+      if isinstance(err, ConfigError):
+        raise SystemExit(f"FATAL config error: {err}") from None
+      raise
+
+  app.run(guarded, flags_parser=parse_flags)

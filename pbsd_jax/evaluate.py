@@ -30,7 +30,7 @@ from pbsd_jax.env import protocol
 from pbsd_jax.env.agent_env import AgentEnv
 from pbsd_jax.env.bm25 import BM25Index
 from pbsd_jax.models import ModelConfig
-from pbsd_jax.rollout import ingraph_rollout
+from pbsd_jax.rollout import host_rollout, ingraph_rollout
 from pbsd_jax.sampling import Sampler
 
 DEFAULT_PASS_K = (1, 2, 4, 8, 16)
@@ -161,12 +161,13 @@ def summarize(outcomes: Mapping[str, np.ndarray], tiers: Sequence[str],
 
 
 def evaluate(sampler: Sampler, env: AgentEnv, params: Any, records: Sequence[Mapping],
-             encode: Callable[[str], list[int]], index: BM25Index, *, batch_size: int,
+             encode: Callable[[str], list[int]], index: Any, *, batch_size: int,
              rng: jax.Array, prompt_width: int, gold_width: int, samples_per_question: int = 1,
              pass_k: Sequence[int] = DEFAULT_PASS_K,
              template: str = protocol.DEFAULT_PROMPT_TEMPLATE,
              progress: Callable[..., Iterable] = lambda it, **kw: it,
-             credit_algo: Any = None) -> dict:
+             credit_algo: Any = None, decode: Callable[[Sequence[int]], str] | None = None,
+             text: Any = None, chat: Callable[[str], str] | None = None) -> dict:
   """Rolls the policy out on `records` and returns `summarize`'s statistics.
 
   Args:
@@ -175,7 +176,8 @@ def evaluate(sampler: Sampler, env: AgentEnv, params: Any, records: Sequence[Map
     params: policy parameters.
     records: Q question records (`question`, `golden_answers`, optional `tier`).
     encode: the tokenizer, text -> ids.
-    index: the device-resident BM25 index.
+    index: the device-resident BM25 index (in-graph rollouts), or a host `Retriever`
+      (`rollout.host_rollout`, which also needs `decode`; its reward is text-level).
     batch_size: rollout rows per call (every call has this shape).
     rng: PRNG key; batch i uses `fold_in(rng, i)`.
     prompt_width: P, the prompt region width.
@@ -187,6 +189,9 @@ def evaluate(sampler: Sampler, env: AgentEnv, params: Any, records: Sequence[Map
     credit_algo: the run's algorithm: when it computes turn evidence (PBSD, RLSD) and every
       record has a gold chain, each trajectory is also scored on its teacher prompt and the
       result gains `credit` (`credit_summary`, pooled over every labelled turn of the split).
+    decode: the tokenizer, ids -> text (host retrievers).
+    text: the vocabulary's `TokenText` where the tags are several tokens (`Task.text`).
+    chat: renders the prompt with the model's chat template (`Task.chat`).
 
   Returns:
     The dict of `summarize` (and `credit`).
@@ -203,7 +208,7 @@ def evaluate(sampler: Sampler, env: AgentEnv, params: Any, records: Sequence[Map
                  and all("chain" in r for r in records))
   region = prompt_region([r["question"] for r in records], encode, prompt_width, template,
                          answers=([r["golden_answers"][0] for r in records] if with_credit
-                                  else None))
+                                  else None), chat=chat)
   gold = gold_batch([r["golden_answers"] for r in records], encode, gold_width)
   gold_docs = (gold_doc_batch(records, max(r["hops"] for r in records)) if with_credit
                else None)
@@ -213,10 +218,16 @@ def evaluate(sampler: Sampler, env: AgentEnv, params: Any, records: Sequence[Map
   for i in progress(range(num_batches), desc="eval", total=num_batches):
     chunk = rows[i * batch_size:(i + 1) * batch_size]
     padded = np.resize(chunk, batch_size)  # repeats the chunk's own rows: one shape
-    out = ingraph_rollout(sampler, env, params, region["prompts"][padded],
-                          region["prompt_mask"][padded], jax.random.fold_in(rng, i), index,
-                          gold[padded], gold_docs=None if gold_docs is None else
-                          gold_docs[padded])
+    docs = None if gold_docs is None else gold_docs[padded]
+    if isinstance(index, BM25Index):
+      out = ingraph_rollout(sampler, env, params, region["prompts"][padded],
+                            region["prompt_mask"][padded], jax.random.fold_in(rng, i), index,
+                            gold[padded], gold_docs=docs)
+    else:
+      out = host_rollout(sampler, env, params, region["prompts"][padded],
+                         region["prompt_mask"][padded], jax.random.fold_in(rng, i), index,
+                         encode, decode, [records[r]["golden_answers"] for r in padded],
+                         gold_docs=docs, text=text)
     stats = {"reward": out.reward, "num_turns": out.num_turns,
              "num_action_tokens": out.num_action_tokens, "finished": out.finished,
              "truncated": out.truncated}
@@ -261,14 +272,15 @@ def credit_summary(turn_label: np.ndarray, evidence: np.ndarray, solved: np.ndar
 
 
 def evaluate_policy(model: ModelConfig, env: AgentEnv, params: Any, records: Sequence[Mapping],
-                    encode: Callable[[str], list[int]], index: BM25Index, *, batch_size: int,
+                    encode: Callable[[str], list[int]], index: Any, *, batch_size: int,
                     rng: jax.Array, prompt_width: int, gold_width: int,
                     samples_per_question: int = 1, temperature: float = 1.0,
                     top_p: float = 0.95, top_k: int = 0,
                     pass_k: Sequence[int] = DEFAULT_PASS_K,
                     template: str = protocol.DEFAULT_PROMPT_TEMPLATE,
                     progress: Callable[..., Iterable] = lambda it, **kw: it,
-                    credit_algo: Any = None) -> dict:
+                    credit_algo: Any = None, decode: Callable[[Sequence[int]], str] | None = None,
+                    text: Any = None, chat: Callable[[str], str] | None = None) -> dict:
   """The paper's two evaluations: `{"greedy": ..., "top_p": ...}`, each `evaluate`'s dict.
 
   Greedy decoding is deterministic, so it samples each question once; the nucleus run
@@ -278,7 +290,8 @@ def evaluate_policy(model: ModelConfig, env: AgentEnv, params: Any, records: Seq
   """
   greedy_rng, sample_rng = jax.random.split(rng)
   shared = dict(batch_size=batch_size, prompt_width=prompt_width, gold_width=gold_width,
-                pass_k=pass_k, template=template, progress=progress, credit_algo=credit_algo)
+                pass_k=pass_k, template=template, progress=progress, credit_algo=credit_algo,
+                decode=decode, text=text, chat=chat)
   greedy = Sampler(model, temperature=0.0)
   nucleus = Sampler(model, temperature=temperature, top_p=top_p, top_k=top_k)
   return {

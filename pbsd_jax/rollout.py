@@ -23,6 +23,7 @@ Two compositions of the same jitted pieces (`_act`, `_observe`):
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any, Callable, Sequence
 
 import jax
@@ -31,11 +32,12 @@ import numpy as np
 from flax import struct
 
 from pbsd_jax import credit_quality, rewards
-from pbsd_jax.env import observations
+from pbsd_jax.env import actions, observations
 from pbsd_jax.env.agent_env import (KIND_ANSWER, KIND_EOS, KIND_SEARCH, AgentEnv,
                                     assemble_observation, classify_turn)
 from pbsd_jax.env.bm25 import BM25Index
 from pbsd_jax.env.retriever import Document, RetrievalError
+from pbsd_jax.env.token_text import TokenText, classify_text_turn
 from pbsd_jax.sampling import DecodeState, Sampler, STOP_BUFFER_FULL
 
 Array = jax.Array
@@ -147,18 +149,26 @@ def _start(sampler: Sampler, env: AgentEnv, params, prompts: Array, prompt_mask:
                  search_failures=zeros, turn_kind=no_turns, turn_doc=no_turns)
 
 
+def _check_text(env: AgentEnv, text: TokenText | None) -> None:
+  if env.text_tags and text is None:
+    raise ValueError("the protocol tags are several tokens in this vocabulary: pass the "
+                     "vocabulary's TokenText (token_text.build) as text=")
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _act(sampler: Sampler, env: AgentEnv, params, ep: Episode, rng: Array, turn: Array,
-         forced: Array | None = None, forced_length: Array | None = None
-         ) -> tuple[Episode, Array, Array]:
-  """One action per live row, sampled (or forced: `i32[B, La]` with lengths), classified."""
+         forced: Array | None = None, forced_length: Array | None = None,
+         text: TokenText | None = None) -> tuple[Episode, Array, Array]:
+  """One action per live row, sampled (or forced: `i32[B, La]` with lengths), classified;
+  with text tags on the turn's text (`text`)."""
   live = ~ep.done
   state = ep.decode
   start = state.cursor
   room = env.buffer_size - start
   if forced is None:
     budget = jnp.minimum(env.max_action_tokens, room)
-    state, result = sampler.decode(params, state, rng, budget, env.stop_sequences, live,
+    stops = (None, text.stops) if env.text_tags else (env.stop_sequences, None)
+    state, result = sampler.decode(params, state, rng, budget, stops[0], live, stops[1],
                                    max_steps=env.max_action_tokens, eos_id=env.eos_id)
     out_of_room = result.stop_reason == STOP_BUFFER_FULL
   else:
@@ -168,7 +178,8 @@ def _act(sampler: Sampler, env: AgentEnv, params, ep: Episode, rng: Array, turn:
   end = state.cursor
   cols = jnp.arange(env.buffer_size)[None, :]
   this_turn = live[:, None] & (cols >= start[:, None]) & (cols < end[:, None])
-  kind, query = classify_turn(state.tokens, start, end, env)
+  kind, query = (classify_text_turn(state.tokens, start, end, env, text) if env.text_tags
+                 else classify_turn(state.tokens, start, end, env))
   ends_episode = live & ((kind == KIND_ANSWER) | (kind == KIND_EOS))
   ep = ep.replace(
       decode=state, turn_ids=jnp.where(this_turn, turn, ep.turn_ids),
@@ -186,8 +197,8 @@ def _observe(sampler: Sampler, env: AgentEnv, params, ep: Episode, kind: Array, 
   live = ~ep.done
   room = env.buffer_size - ep.decode.cursor
   budget = jnp.minimum(env.max_observation_tokens, room)
-  obs, obs_len = assemble_observation(doc_tokens, doc_lengths, budget, env.info_open,
-                                      env.info_close)
+  info_open, info_close = env.tag_tokens("info_open"), env.tag_tokens("info_close")
+  obs, obs_len = assemble_observation(doc_tokens, doc_lengths, budget, info_open, info_close)
   notice = jnp.broadcast_to(jnp.array(env.notice, jnp.int32), (obs.shape[0], len(env.notice)))
   width = max(obs.shape[1], len(env.notice))
   pad = lambda x: jnp.pad(x, [(0, 0), (0, width - x.shape[1])])
@@ -196,7 +207,8 @@ def _observe(sampler: Sampler, env: AgentEnv, params, ep: Episode, kind: Array, 
   lengths = jnp.where(search, obs_len, jnp.minimum(len(env.notice), room))
   lengths = jnp.where(live, lengths, 0)
   state = sampler.append(params, ep.decode, tokens, lengths)
-  out_of_room = live & ((state.cursor >= env.buffer_size) | (search & (budget < 3)))
+  too_small = budget < len(info_open) + len(info_close) + 1
+  out_of_room = live & ((state.cursor >= env.buffer_size) | (search & too_small))
   last_turn = live & (turn + 1 >= env.max_turns)
   found = live & search & ~failed
   return ep.replace(decode=state, truncated=ep.truncated | out_of_room | last_turn,
@@ -250,6 +262,9 @@ def ingraph_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array,
   Returns:
     A `Rollout`.
   """
+  if env.text_tags:
+    raise ValueError("the in-graph rollout needs single-token protocol tags (its reward and "
+                     "retrieval read tag ids); with this vocabulary use a host retriever")
   ep = _start(sampler, env, params, prompts, prompt_mask)
 
   def body(carry):
@@ -287,22 +302,32 @@ def _document_tokens(doc: Document, encode: Callable[[str], list[int]], limit: i
     chars *= 2
 
 
-def _host_retrieve(retriever: Any, queries: list[list[int]], k: int, limit: int,
-                   encode: Callable[[str], list[int]], decode: Callable[[Sequence[int]], str]
+def _host_retrieve(retriever: Any, queries: list[list[int]], texts: list[str], k: int,
+                   limit: int, encode: Callable[[str], list[int]]
                    ) -> tuple[list[list[list[int]]], list[int], bool]:
   """Documents' observation tokens per query (at most `limit` each), each query's top
-  document id (-1 when it is not a number, or none came back) and whether retrieval failed."""
+  document id (-1 when it is not a number, or none came back) and whether retrieval failed.
+  The query is its token ids for a retriever with `retrieve_ids`, else its text."""
   try:
     if hasattr(retriever, "retrieve_ids"):
       results = retriever.retrieve_ids(queries, k)
     else:
-      results = retriever.retrieve([decode(q) for q in queries], k)
+      results = retriever.retrieve(texts, k)
   except RetrievalError as err:
     notice = Document(id="", contents=f"Search failed: {err.reason}.", score=0.0)
     failure = [_document_tokens(notice, encode, limit)]
     return [failure for _ in queries], [-1] * len(queries), True
   top = [int(docs[0].id) if docs and str(docs[0].id).isdigit() else -1 for docs in results]
   return ([[_document_tokens(d, encode, limit) for d in docs] for docs in results], top, False)
+
+
+def _query_text(action_tokens: np.ndarray, decoded_query: str,
+                decode: Callable[[Sequence[int]], str]) -> str:
+  """The query of a search turn, as `actions.parse_action` reads it from the turn's text
+  (the decoded query tokens where it does not read a search: a Unicode space the device rules
+  do not count as whitespace)."""
+  action = actions.parse_action(decode(action_tokens), max_query_chars=sys.maxsize)
+  return action.content if action.kind == actions.SEARCH else decoded_query.strip()
 
 
 def _pad_docs(docs: list[list[list[int]]], k: int, width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -321,36 +346,45 @@ def host_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array, prompt
                  rng: Array, retriever: Any, encode: Callable[[str], list[int]],
                  decode: Callable[[Sequence[int]], str], golden_answers: Sequence[Sequence[str]],
                  group_ids: Array | None = None, forced: Array | None = None,
-                 forced_length: Array | None = None, gold_docs: Array | None = None
-                 ) -> Rollout:
+                 forced_length: Array | None = None, gold_docs: Array | None = None,
+                 text: TokenText | None = None) -> Rollout:
   """The same episode as `ingraph_rollout`, with a host turn loop around any `Retriever`.
 
   Queries go to `retriever.retrieve_ids` when it has one (token-level, e.g. a
-  `TokenBM25Retriever`), else to `retrieve` as decoded text. A `RetrievalError` becomes a
-  failure observation and is counted in `Rollout.search_failures`; the episode goes on. A
-  document is encoded only as far as an observation can show it (`max_observation_tokens - 2`
-  tokens), so a 10 MB document costs what a short one does. The reward is text-level: SQuAD
-  exact match of the last `<answer>` in the decoded action tokens. A search's top document
-  is recorded (`Rollout.turn_doc`) when its id is a number. Arguments as in `ingraph_rollout`,
-  plus `encode`/`decode` (the policy's tokenizer) and the gold answers as strings.
+  `TokenBM25Retriever`), else to `retrieve` as text: the decoded query tokens, or with text
+  tags the query `actions.parse_action` reads from the decoded turn. A `RetrievalError`
+  becomes a failure observation and is counted in `Rollout.search_failures`; the episode goes
+  on. A document is encoded only as far as an observation can show it
+  (`max_observation_tokens` less the tags), so a 10 MB document costs what a short one does.
+  The reward is text-level: SQuAD exact match of the last `<answer>` in the decoded action
+  tokens. A search's top document is recorded (`Rollout.turn_doc`) when its id is a number.
+  Arguments as in `ingraph_rollout`, plus `encode`/`decode` (the policy's tokenizer), the gold
+  answers as strings and `text` (the vocabulary's `TokenText`, needed with text tags).
   """
+  _check_text(env, text)
   ep = _start(sampler, env, params, prompts, prompt_mask)
-  doc_limit = env.max_observation_tokens - 2  # the most document tokens an observation shows
+  # The most document tokens an observation shows.
+  doc_limit = (env.max_observation_tokens - len(env.tag_tokens("info_open"))
+               - len(env.tag_tokens("info_close")))
   for turn in range(env.max_turns):
     if bool(jnp.all(ep.done)):
       break
     f = () if forced is None else (forced[turn], forced_length[turn])
     ep, kind, query = _act(sampler, env, params, ep, jax.random.fold_in(rng, turn),
-                           jnp.int32(turn), *f)
+                           jnp.int32(turn), *f, text=text)
     kind_np, query_np = np.asarray(kind), np.asarray(query)
     searching = np.flatnonzero(kind_np == KIND_SEARCH)
     docs: list[list[list[int]]] = [[] for _ in kind_np]
     failed = np.zeros(kind_np.shape, bool)
     top_doc = np.full(kind_np.shape, -1, np.int32)
     if searching.size:
-      got, top, fail = _host_retrieve(retriever, [[int(t) for t in query_np[i] if t >= 0]
-                                             for i in searching], env.top_k, doc_limit,
-                                 encode, decode)
+      ids = [[int(t) for t in query_np[i] if t >= 0] for i in searching]
+      texts = [decode(q) for q in ids]
+      if env.text_tags:
+        tokens, turn_ids = np.asarray(ep.decode.tokens), np.asarray(ep.turn_ids)
+        texts = [_query_text(tokens[i][turn_ids[i] == turn], q, decode)
+                 for i, q in zip(searching, texts)]
+      got, top, fail = _host_retrieve(retriever, ids, texts, env.top_k, doc_limit, encode)
       for i, row, doc in zip(searching, got, top):
         docs[i], top_doc[i], failed[i] = row, doc, fail
     doc_tokens, doc_lengths = _pad_docs(docs, env.top_k, doc_limit)

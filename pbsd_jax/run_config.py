@@ -27,7 +27,7 @@ from pbsd_jax.models import ModelConfig, param_shapes
 from pbsd_jax.models.sizes import SIZES
 from pbsd_jax.sampling import Sampler
 
-RETRIEVERS = ("ingraph", "host", "http")
+RETRIEVERS = ("ingraph", "host", "bm25s", "http")
 # GRPO fields whose "off" is None in the algorithm and 0 in the config (command-line typed).
 _ZERO_IS_NONE = {"dual_clip": 0.0, "norm_len": 0.0, "overlong_max_len": 0}
 ENV_FIELDS = ("buffer_size", "max_turns", "max_action_tokens", "max_observation_tokens",
@@ -101,16 +101,17 @@ def build_algorithm(config) -> algorithms.GRPO:
 def build_model_config(config, vocab_size: int | None = None) -> ModelConfig:
   """The `ModelConfig` of `config.model.name` (the vocabulary's size for the embedded task),
   or the `model_config.json` of `config.model.init_dir` when the run starts from a checkpoint
-  (e.g. `scripts/convert_hf.py` output), whose vocabulary must be the data's."""
+  (e.g. `scripts/convert_hf.py` output), whose embedding must hold every id of the vocabulary
+  (it may have more rows: HF checkpoints pad it)."""
   if config.model.init_dir:
     from pbsd_jax import policy_checkpoint
     model = policy_checkpoint.find_model_config(config.model.init_dir)
     if model is None:
       _fail("model.init_dir", config.model.init_dir, "holds no model_config.json")
-    if vocab_size is not None and model.vocab_size != vocab_size:
+    if vocab_size is not None and model.vocab_size < vocab_size:
       _fail("model.init_dir", config.model.init_dir,
-            f"the model's vocab_size={model.vocab_size} is not the data vocabulary's "
-            f"{vocab_size}")
+            f"the model's embedding has {model.vocab_size} rows, fewer than the "
+            f"{vocab_size} ids of its vocabulary")
     with naming_fields({"attention": "model.attention"}, "model"):
       return model.replace(attention=config.model.attention)
   name = config.model.name
@@ -197,7 +198,7 @@ def validate(config, num_devices: int | None = None) -> None:
     ConfigError: naming the first field that cannot run.
   """
   build_algorithm(config)
-  model = build_model_config(config, _STAND_IN_VOCAB)
+  model = build_model_config(config, None if config.model.init_dir else _STAND_IN_VOCAB)
   if config.data.prompt_template not in protocol.PROMPT_TEMPLATES:
     _fail("data.prompt_template", config.data.prompt_template,
           f"must be one of {sorted(protocol.PROMPT_TEMPLATES)}")
@@ -255,6 +256,11 @@ def validate(config, num_devices: int | None = None) -> None:
           "scripts/evaluate.py)")
   if any(k < 1 for k in config.eval.pass_k):
     _fail("eval.pass_k", config.eval.pass_k, "every k must be >= 1")
+  if config.rl.save_rollouts < 0:
+    _fail("rl.save_rollouts", config.rl.save_rollouts, "must be >= 0 (0: never)")
+  if config.rl.save_rollouts and jax.process_count() > 1:
+    _fail("rl.save_rollouts", config.rl.save_rollouts, "must be 0 in a multi-process run (a "
+          "process holds only its rows of the rollout)")
   if config.rl.max_skipped_steps < 0:
     _fail("rl.max_skipped_steps", config.rl.max_skipped_steps, "must be >= 0 (0: never stop)")
   validate_checkpointer(config)

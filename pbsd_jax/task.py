@@ -13,7 +13,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-from typing import Any
+import re
+import shutil
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -25,33 +27,52 @@ from pbsd_jax.env import protocol
 from pbsd_jax.env.agent_env import AgentEnv
 from pbsd_jax.env.bm25 import BM25Index
 from pbsd_jax.models import ModelConfig, init_params
-from pbsd_jax.rollout import ingraph_rollout
+from pbsd_jax.rollout import host_rollout, ingraph_rollout
 from pbsd_jax.sampling import Sampler
+
+
+_OBSERVATION = re.compile(re.escape(protocol.INFO_OPEN) + "(.*?)" + re.escape(protocol.INFO_CLOSE),
+                          re.S)
 
 
 @dataclasses.dataclass
 class Task:
-  """The embedded task ready for the loop.
+  """The task ready for the loop.
 
   Attributes:
-    vocab: the seqio vocabulary (SentencePiece, single-token tags).
+    vocab: the seqio vocabulary: the embedded task's SentencePiece model (single-token tags),
+      or the model's own tokenizer (`config.model.init_dir`; tags of several tokens).
     env: the environment settings.
-    retriever: a `Retriever` over the corpus (host compositions).
-    index: the `BM25Index` behind it (in-graph composition).
-    splits: records of `rl_train`, `rl_validation`, `sft`, `ood`.
+    retriever: the `Retriever` host rollouts call: the token BM25 over the corpus, a `bm25s`
+      index or a retrieval server.
+    index: the device `BM25Index` in-graph rollouts search, None where there is none (a
+      `bm25s` or HTTP retriever).
+    splits: records by split: `rl_train`, `rl_validation`, `sft` (and `ood` in the embedded
+      task).
+    chat: renders a user message as the model's prompt (its chat template), or None.
+    text: the vocabulary's `TokenText` when the tags are several tokens, else None.
   """
 
   vocab: Any
   env: AgentEnv
   retriever: Any
-  index: BM25Index
+  index: BM25Index | None
   splits: dict[str, list[dict]]
+  chat: Callable[[str], str] | None = None
+  text: Any = None
 
   def encode(self, text: str) -> list[int]:
     return list(self.vocab.encode(text))
 
   def decode(self, ids) -> str:
     return self.vocab.decode([int(i) for i in ids])
+
+  @property
+  def rollout_args(self) -> dict:
+    """What `evaluate.evaluate` needs to roll out on this task: in-graph over `index` when
+    there is one, else through `retriever` in the host loop."""
+    return dict(encode=self.encode, index=self.retriever if self.index is None else self.index,
+                decode=self.decode, text=self.text, chat=self.chat)
 
   @functools.cached_property
   def rl_widths(self) -> tuple[int, int | None]:
@@ -72,35 +93,181 @@ class Task:
                      ".jsonl/.parquet file")
 
 
+def _files(value: str) -> list[str]:
+  return [f.strip() for f in value.split(",") if f.strip()]
+
+
+def _user_records(config, field: str, vocab: Any) -> list[dict]:
+  """The records of the comma-separated files of `config.data.<field>`: questions through the
+  seqio tasks of `data.tasks` (validated when registered), SFT trajectories
+  (`records.TRAJECTORY_FIELDS`) read directly."""
+  from pbsd_jax.data import records as records_lib, tasks
+  records = []
+  for i, path in enumerate(_files(config.data[field])):
+    try:
+      if field == "sft_files":
+        records += records_lib.read_records(path, records_lib.TRAJECTORY_FIELDS)
+      else:
+        records += tasks.user_records(
+            f"pbsd_user_{field}_{i}", path, vocab,
+            protocol.PROMPT_TEMPLATES[config.data.prompt_template])
+    except (FileNotFoundError, ValueError) as err:
+      raise run_config.ConfigError(f"config.data.{field}: {err}") from None
+  return records
+
+
+def _model_vocabulary(config):
+  """The tokenizer and chat template of `config.model.init_dir`, or `(None, None)` when the
+  directory holds no tokenizer (a checkpoint of the embedded task's model)."""
+  from pbsd_jax import vocab as vocab_lib
+  from pbsd_jax.models import chat_template
+  directory = config.model.init_dir and vocab_lib.tokenizer_dir(config.model.init_dir)
+  if not directory:
+    return None, None
+  try:
+    vocab = vocab_lib.model_vocabulary(directory)
+  except (FileNotFoundError, ValueError) as err:
+    raise run_config.ConfigError(f"config.model.init_dir={config.model.init_dir!r}: {err}"
+                                 ) from None
+  if not config.data.chat_template:
+    return vocab, None
+  try:
+    chat_template.chat_template_source(directory)
+  except ValueError as err:
+    raise run_config.ConfigError(
+        f"config.model.init_dir={config.model.init_dir!r}: {err}; set "
+        "config.data.chat_template=False for a plain prompt") from None
+  return vocab, lambda message: chat_template.apply_chat_template(
+      directory, [{"role": "user", "content": message}], add_generation_prompt=True)
+
+
+def save_tokenizer(config, workdir: str) -> None:
+  """Copies `config.model.init_dir`'s tokenizer files to `<workdir>/tokenizer/`, where
+  `vocab.tokenizer_dir` finds them for the run's own checkpoints (`<workdir>/ckpt_*`)."""
+  from pbsd_jax import vocab as vocab_lib
+  source = config.model.init_dir and vocab_lib.tokenizer_dir(config.model.init_dir)
+  target = os.path.join(workdir, "tokenizer")
+  if not source or os.path.abspath(source) == os.path.abspath(target):
+    return
+  os.makedirs(target, exist_ok=True)
+  for name in (*vocab_lib.TOKENIZER_FILES, *vocab_lib.TOKENIZER_CONFIG_FILES):
+    if os.path.isfile(os.path.join(source, name)):
+      shutil.copy2(os.path.join(source, name), os.path.join(target, name))
+
+
+def _probe(retriever, url: str) -> None:
+  """Fails in one line, at start-up, when the retrieval server does not answer."""
+  from pbsd_jax.env.http import HttpRetriever
+  from pbsd_jax.env.retriever import RetrievalError
+  try:
+    HttpRetriever(url, timeout_s=retriever.timeout_s, max_retries=0).retrieve(["probe"], 1)
+  except RetrievalError as err:
+    raise run_config.ConfigError(f"config.env.url={url!r}: the retrieval server does not "
+                                 f"answer ({err.reason})") from None
+
+
 def prepare_task(config, workdir: str) -> Task:
-  """Loads (or makes) the dataset named by `config.data` and builds the environment."""
+  """Reads the questions, the vocabulary and the corpus `config` names and builds the
+  environment and retrievers.
+
+  Questions: `config.data.train_files` / `eval_files` / `sft_files` (Search-R1 JSONL or parquet;
+  SFT records hold trajectories), else the embedded dataset in `config.data.dir` (made there
+  if missing). Vocabulary: `config.model.init_dir`'s tokenizer and chat template when it has
+  them, else the embedded SentencePiece model. Retrieval (`config.env.retriever`): the token
+  BM25 over the corpus (`ingraph`, `host`; `config.data.corpus` or the embedded corpus), a
+  `bm25s` index (`config.env.index_dir`, else built from the corpus), or a retrieval server
+  (`http`, probed here). No device index is built for `bm25s` or `http`.
+
+  Raises:
+    run_config.ConfigError: naming the field, for anything that cannot run.
+  """
   from pbsd_jax import vocab as vocab_lib  # seqio/TensorFlow: the data pipeline only
   from pbsd_jax.data.build import make_dataset
   from pbsd_jax.data.records import read_records
-  from pbsd_jax.env.host_bm25 import read_corpus
+  from pbsd_jax.env import token_text
+  from pbsd_jax.env.host_bm25 import HostBM25Retriever, read_corpus
   from pbsd_jax.env.http import HttpRetriever
   from pbsd_jax.env.token_retriever import TokenBM25Retriever
 
-  data_dir = config.data.dir or os.path.join(workdir, "data")
-  if not os.path.exists(os.path.join(data_dir, "manifest.json")):
-    if not config.data.make_if_missing:
-      raise FileNotFoundError(f"config.data.dir={data_dir!r} holds no dataset "
-                              "(manifest.json is missing); run scripts/make_data.py")
-    make_dataset(data_dir, seed=config.data.data_seed)
-  vocab = vocab_lib.sentencepiece_vocabulary(os.path.join(data_dir, "spm.model"))
-  encode = lambda text: list(vocab.encode(text))
-  ids, contents = read_corpus(os.path.join(data_dir, "corpus.jsonl"))
-  token_retriever = TokenBM25Retriever.from_texts(contents, encode, vocab.vocab_size, ids=ids,
-                                                  ignore_ids=vocab_lib.non_term_ids(vocab))
-  retriever = token_retriever
-  if config.env.retriever == "http":
-    retriever = HttpRetriever(config.env.url, timeout_s=config.env.timeout_s,
-                              max_retries=config.env.max_retries)
+  user_data = bool(config.data.train_files)
+  vocab, chat = _model_vocabulary(config)
+  if vocab is None and user_data:
+    raise run_config.ConfigError(
+        f"config.model.init_dir={config.model.init_dir!r}: data.train_files needs a model "
+        "with its tokenizer (a scripts/convert_hf.py output)")
+  splits, corpus = {}, config.data.corpus
+  if user_data:
+    splits = {split: _user_records(config, field, vocab) if config.data[field] else []
+              for split, field in (("rl_train", "train_files"), ("rl_validation", "eval_files"),
+                                   ("sft", "sft_files"))}
+  else:
+    data_dir = config.data.dir or os.path.join(workdir, "data")
+    if not os.path.exists(os.path.join(data_dir, "manifest.json")):
+      if not config.data.make_if_missing:
+        raise FileNotFoundError(f"config.data.dir={data_dir!r} holds no dataset "
+                                "(manifest.json is missing); run scripts/make_data.py")
+      make_dataset(data_dir, seed=config.data.data_seed)
+    splits = {name: read_records(os.path.join(data_dir, f"{name}.jsonl"))
+              for name in ("rl_train", "rl_validation", "sft", "ood")}
+    corpus = corpus or os.path.join(data_dir, "corpus.jsonl")
+    if vocab is None:
+      vocab = vocab_lib.sentencepiece_vocabulary(os.path.join(data_dir, "spm.model"))
   env = AgentEnv.from_vocab(vocab, ignore_ids=vocab_lib.whitespace_ids(vocab),
                             **{f: config.env[f] for f in run_config.ENV_FIELDS})
-  splits = {name: read_records(os.path.join(data_dir, f"{name}.jsonl"))
-            for name in ("rl_train", "rl_validation", "sft", "ood")}
-  return Task(vocab, env, retriever, token_retriever.index, splits)
+  text = (token_text.build(vocab_lib.token_bytes(vocab), (vocab.eos_id, vocab.pad_id))
+          if env.text_tags else None)
+  kind, index = config.env.retriever, None
+  if kind == "ingraph" and env.text_tags:
+    raise run_config.ConfigError(
+        "config.env.retriever='ingraph': the protocol tags are several tokens in this model's "
+        "vocabulary; use 'host', 'bm25s' or 'http'")
+  if kind in ("ingraph", "host", "bm25s") and not (corpus or config.env.index_dir):
+    raise run_config.ConfigError(f"config.env.retriever={kind!r} needs config.data.corpus "
+                                 "(a corpus JSONL with 'id' and 'contents')")
+  try:
+    # The token BM25 for the in-graph and host retrievers; the embedded task keeps it for
+    # any retriever (its SFT replays and evaluation search in-graph, as in training).
+    if kind in ("ingraph", "host") or not user_data:
+      ids, contents = read_corpus(corpus)
+      retriever = TokenBM25Retriever.from_texts(
+          contents, lambda t: list(vocab.encode(t)), vocab.vocab_size, ids=ids,
+          ignore_ids=vocab_lib.non_term_ids(vocab))
+      index = None if env.text_tags else retriever.index
+    if kind == "bm25s":
+      retriever = (HostBM25Retriever.load(config.env.index_dir) if config.env.index_dir
+                   else HostBM25Retriever.from_jsonl(corpus))
+    elif kind == "http":
+      retriever = HttpRetriever(config.env.url, timeout_s=config.env.timeout_s,
+                                max_retries=config.env.max_retries)
+      _probe(retriever, config.env.url)
+  except (FileNotFoundError, ValueError) as err:
+    if isinstance(err, run_config.ConfigError):
+      raise
+    field = "env.index_dir" if kind == "bm25s" and config.env.index_dir else "data.corpus"
+    raise run_config.ConfigError(f"config.{field}: {err}") from None
+  task = Task(vocab, env, retriever, index, splits, chat, text)
+  if user_data:
+    _check_prompts(task, config)
+  return task
+
+
+def _check_prompts(task: Task, config) -> None:
+  """Every user question's student and teacher prompts fit `config.data.prompt_width`, checked
+  once at start-up (the embedded task's fit by construction)."""
+  template = protocol.PROMPT_TEMPLATES[config.data.prompt_template]
+  for split, field in (("rl_train", "train_files"), ("rl_validation", "eval_files")):
+    records = task.splits[split]
+    for start in range(0, len(records), 1024):
+      chunk = records[start:start + 1024]
+      try:
+        prompt_region([r["question"] for r in chunk], task.encode, config.data.prompt_width,
+                      template, answers=[r["golden_answers"][0] for r in chunk],
+                      chat=task.chat)
+      except ValueError as err:
+        message = re.sub(r"(record|prompt) (\d+)",
+                         lambda m: f"question {start + int(m.group(2))}", str(err))
+        raise run_config.ConfigError(f"config.data.prompt_width={config.data.prompt_width}: "
+                                     f"data.{field}: {message}") from None
 
 
 def load_policy(config, ckpt_dir: str, step: int | None, workdir: str, mesh: Any = None
@@ -124,13 +291,61 @@ def load_policy(config, ckpt_dir: str, step: int | None, workdir: str, mesh: Any
   return task, model, params, step
 
 
+def _trajectory_tokens(trajectory: str, task: Task) -> tuple[list[int], list[bool]]:
+  """A user trajectory as a rollout holds it: `(ids, trained)`. The text between
+  observations is the policy's (trained on), each encoded on its own and cut after its last
+  closing tag's trailing whitespace where an observation follows (a turn ends at the tag);
+  each `<information>...</information>` observation is the environment's tags around its
+  encoded body (never trained on)."""
+  ids, trained, pos = [], [], 0
+  open_ids, close_ids = task.env.tag_tokens("info_open"), task.env.tag_tokens("info_close")
+  for match in _OBSERVATION.finditer(trajectory):
+    action = task.encode(trajectory[pos:match.start()].rstrip())
+    body = task.encode(match.group(1))
+    ids += action + list(open_ids) + body + list(close_ids)
+    trained += [True] * len(action) + [False] * (len(open_ids) + len(body) + len(close_ids))
+    pos = match.end()
+  action = task.encode(trajectory[pos:])
+  return ids + action, trained + [True] * len(action)
+
+
+def trajectory_sequences(task: Task, records: list[dict], config
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """User SFT trajectories (`question`, `trajectory`) in the rollout layout: `(tokens, mask,
+  action_mask)`, the prompt region then the trajectory from column P, cropped to the longest.
+
+  Raises:
+    run_config.ConfigError: naming the record whose trajectory does not fit the buffer.
+  """
+  width = config.data.prompt_width
+  region = prompt_region([r["question"] for r in records], task.encode, width,
+                         protocol.PROMPT_TEMPLATES[config.data.prompt_template], chat=task.chat)
+  rows = [_trajectory_tokens(r["trajectory"], task) for r in records]
+  longest = max(len(ids) for ids, _ in rows)
+  if width + longest > task.env.buffer_size:
+    i = next(i for i, (ids, _) in enumerate(rows) if width + len(ids) > task.env.buffer_size)
+    raise run_config.ConfigError(
+        f"config.data.sft_files: record {i}'s trajectory is {len(rows[i][0])} tokens, more "
+        f"than the {task.env.buffer_size - width} after the prompt in env.buffer_size")
+  tokens = np.zeros((len(rows), width + longest), np.int32)
+  mask = np.zeros(tokens.shape, bool)
+  action = np.zeros(tokens.shape, bool)
+  tokens[:, :width], mask[:, :width] = region["prompts"], region["prompt_mask"]
+  for b, (ids, trained) in enumerate(rows):
+    tokens[b, width:width + len(ids)] = ids
+    mask[b, width:width + len(ids)] = True
+    action[b, width:width + len(ids)] = trained
+  return tokens, mask, action
+
+
 def sft_sequences(task: Task, records: list[dict], config, model: ModelConfig,
                   chunk: int = 256) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """Oracle trajectories replayed through the environment: `(tokens, mask, action_mask)`.
-
-  The observations are what the real environment returns for the oracle's queries; arrays
-  are cropped to the longest trajectory (`[N, W]`).
+  """SFT sequences `(tokens, mask, action_mask)`, cropped to the longest (`[N, W]`): user
+  trajectories as written (`trajectory_sequences`), or oracle trajectories replayed through
+  the environment, whose observations are what it returns for the oracle's queries.
   """
+  if all("trajectory" in r for r in records):
+    return trajectory_sequences(task, records, config)
   env = task.env
   sampler = Sampler(model)
   params = init_params(model, jax.random.key(0))  # forced actions: the weights are unused
@@ -141,13 +356,21 @@ def sft_sequences(task: Task, records: list[dict], config, model: ModelConfig,
     rows = rows + [rows[-1]] * (chunk - len(rows))  # one shape, one compile
     region = prompt_region([r["question"] for r in rows], task.encode,
                            config.data.prompt_width,
-                           protocol.PROMPT_TEMPLATES[config.data.prompt_template])
+                           protocol.PROMPT_TEMPLATES[config.data.prompt_template],
+                           chat=task.chat)
     forced, lengths = forced_batch([r["actions"] for r in rows], task.encode, env.max_turns,
                                    env.max_action_tokens)
     gold = gold_batch([r["golden_answers"] for r in rows], task.encode, config.data.gold_width,
                       slots)
-    rollout = ingraph_rollout(sampler, env, params, region["prompts"], region["prompt_mask"],
-                              jax.random.key(0), task.index, gold, None, forced, lengths)
+    if task.index is None:  # the tags are several tokens: replay through the host loop
+      rollout = host_rollout(sampler, env, params, region["prompts"], region["prompt_mask"],
+                             jax.random.key(0), task.retriever, task.encode, task.decode,
+                             [r["golden_answers"] for r in rows], None, forced, lengths,
+                             text=task.text)
+    else:
+      rollout = ingraph_rollout(sampler, env, params, region["prompts"],
+                                region["prompt_mask"], jax.random.key(0), task.index, gold,
+                                None, forced, lengths)
     keep = min(chunk, len(records) - start)
     out.append(jax.tree.map(lambda x: np.asarray(x)[:keep],
                             (rollout.tokens, rollout.mask, rollout.action_mask)))
@@ -176,7 +399,7 @@ def rl_batch(task: Task, config, records: list[dict]) -> dict[str, np.ndarray]:
   region = prompt_region([r["question"] for r in records], task.encode,
                          config.data.prompt_width,
                          protocol.PROMPT_TEMPLATES[config.data.prompt_template],
-                         answers=[r["golden_answers"][0] for r in records])
+                         answers=[r["golden_answers"][0] for r in records], chat=task.chat)
   slots, hops = task.rl_widths  # every step's batch has one shape
   batch = dict(**region, gold=gold_batch([r["golden_answers"] for r in records], task.encode,
                                          config.data.gold_width, slots))

@@ -31,6 +31,7 @@ from jax.sharding import Mesh
 
 from pbsd_jax import checkpoint, learner, privileged, run_config, sharding, train_state
 from pbsd_jax import workdir as workdir_lib
+from pbsd_jax.env import protocol
 from pbsd_jax.env.agent_env import AgentEnv
 from pbsd_jax.metric_log import MetricLog
 from pbsd_jax.models import ModelConfig, init_params
@@ -95,6 +96,14 @@ def sft_stage(config, task: Task, model: ModelConfig, workdir: str, log: MetricL
     if int(state.step) >= steps:
       return state
     records = task.splits["sft"][:config.sft.max_examples or None]
+    if len(records) < config.sft.batch_size:
+      raise run_config.ConfigError(
+          f"config.sft.steps={steps}: the SFT split has {len(records)} records, fewer than "
+          f"sft.batch_size={config.sft.batch_size} (user trajectories: data.sft_files)")
+    if config.sft.teacher_fraction and not all("golden_answers" in r for r in records):
+      raise run_config.ConfigError(
+          f"config.sft.teacher_fraction={config.sft.teacher_fraction}: the teacher prompt "
+          "needs each SFT record's golden_answers")
     rows, teacher_rows, sequences = _local_sft_sequences(config, task, model, records, mesh)
     step_fn = learner.make_sft_step(model, tx, learner.UpdatePlan(
         chunk_size=config.rl.chunk_size or None), mesh=mesh)
@@ -173,13 +182,15 @@ def ingraph_rollout_fn(sampler: Sampler, env: AgentEnv, index: Any) -> RolloutFn
 
 
 def host_rollout_fn(sampler: Sampler, env: AgentEnv, retriever: Any, encode: Callable,
-                    decode: Callable, golden_answers: list[list[str]]) -> RolloutFn:
+                    decode: Callable, golden_answers: list[list[str]], text: Any = None
+                    ) -> RolloutFn:
   """`host_rollout` over the batch's prompts, calling `retriever`; the reward compares the
-  decoded answers with `golden_answers` (strings)."""
+  decoded answers with `golden_answers` (strings); `text` is the vocabulary's `TokenText`
+  where the tags are several tokens."""
   def rollout_fn(params, rng, batch, group_ids):
     return host_rollout(sampler, env, params, batch["prompts"], batch["prompt_mask"], rng,
                         retriever, encode, decode, golden_answers, group_ids,
-                        gold_docs=batch.get("gold_docs"))
+                        gold_docs=batch.get("gold_docs"), text=text)
   return rollout_fn
 
 
@@ -237,6 +248,18 @@ def make_rl_iteration(sampler: Sampler, env: AgentEnv, model: ModelConfig,
                                            (state_sh, rows, whole))
 
 
+def save_rollout(path: str, rollout: Rollout) -> None:
+  """Writes a rollout's arrays (`Rollout` fields and its `mask`) to an `.npz` file: exactly
+  the tokens the update trained on, with `action_mask` marking the trained-on ones."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  fields = {f: getattr(rollout, f) for f in ("tokens", "action_mask", "turn_ids", "num_turns",
+                                             "length", "prompt_length", "finished",
+                                             "truncated", "group_ids", "sample_logp", "reward",
+                                             "searches", "search_failures")}
+  np.savez(path, mask=np.asarray(rollout.mask), prompt_width=rollout.prompt_width,
+           **{k: np.asarray(v) for k, v in fields.items()})
+
+
 def retrieval_metrics(before: dict, after: dict) -> dict:
   """A step's `retrieval/<counter>`: how much each of a retriever's counters grew."""
   return {f"retrieval/{k}": after[k] - before[k] for k in after}
@@ -275,14 +298,15 @@ def rl_inputs(task: Task, config, step: int, mesh: Mesh) -> tuple[list[dict], di
 def validation_accuracy(config, task: Task, model: ModelConfig, params: Any,
                         progress: Callable = lambda it, **kw: it, credit: bool = False) -> dict:
   """Greedy decoding on the first `config.eval.num_examples` `rl_validation` questions:
-  `evaluate.evaluate`'s statistics (in-graph retrieval, the seed's key); with `credit` and an
-  algorithm that computes turn evidence, its `credit` statistics too."""
+  `evaluate.evaluate`'s statistics (the task's retrieval, the seed's key); with `credit` and
+  an algorithm that computes turn evidence, its `credit` statistics too."""
   from pbsd_jax import evaluate
   return evaluate.evaluate(
       Sampler(model, temperature=0.0), task.env, params,
-      task.splits["rl_validation"][:config.eval.num_examples], task.encode, task.index,
+      task.splits["rl_validation"][:config.eval.num_examples], **task.rollout_args,
       batch_size=50, rng=jax.random.key(config.seed), prompt_width=config.data.prompt_width,
       gold_width=config.data.gold_width, progress=progress,
+      template=protocol.PROMPT_TEMPLATES[config.data.prompt_template],
       credit_algo=run_config.build_algorithm(config) if credit else None)
 
 
@@ -322,7 +346,7 @@ def rl_stage(config, task: Task, model: ModelConfig, params: Any, workdir: str,
     update = learner.make_rl_step(model, tx, algo, task.env.max_turns, plan, mesh=mesh)
     iteration = lambda state, batch, group_ids, records: rl_iteration(
         host_rollout_fn(sampler, task.env, task.retriever, task.encode, task.decode,
-                        [r["golden_answers"] for r in records]),
+                        [r["golden_answers"] for r in records], task.text),
         update, state, batch, group_ids, teacher_params)
 
   with _checkpointer(config, workdir, "ckpt_rl") as ckpt, \
@@ -341,6 +365,8 @@ def rl_stage(config, task: Task, model: ModelConfig, params: Any, workdir: str,
       if counters:
         metrics = {**metrics, **retrieval_metrics(before, counters())}
       log.write("rl", step + 1, metrics)
+      if config.rl.save_rollouts and (step + 1) % config.rl.save_rollouts == 0:
+        save_rollout(os.path.join(workdir, "rollouts", f"rl_{step + 1}.npz"), rollout)
       _log_validation(config, task, model, state.params, log, step + 1)
       _show_faults(bar, faults, metrics)
       if on_step is not None:

@@ -88,6 +88,46 @@ def load_vocabulary(path: str) -> seqio.Vocabulary:
   raise ValueError(f"unknown vocabulary file type (want .model or .json): {path}")
 
 
+# Where a model directory keeps its tokenizer: `scripts/convert_hf.py` copies the HF files to
+# `hf_assets/`, a train run copies them to `<workdir>/tokenizer/` (beside its `ckpt_*`).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+TOKENIZER_CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json",
+                          "chat_template.jinja", "generation_config.json")
+_TOKENIZER_DIRS = ("hf_assets", ".", "../tokenizer")
+
+
+def tokenizer_dir(model_dir: str) -> str | None:
+  """The directory holding a model directory's tokenizer, or None when it has none."""
+  for sub in _TOKENIZER_DIRS:
+    candidate = os.path.normpath(os.path.join(model_dir, sub))
+    if any(os.path.isfile(os.path.join(candidate, f)) for f in TOKENIZER_FILES):
+      return candidate
+  return None
+
+
+def model_vocabulary(directory: str) -> seqio.Vocabulary:
+  """A model's own tokenizer: `tokenizer.json` (Hugging Face `tokenizers`) or
+  `tokenizer.model` (SentencePiece). The end-of-sequence token is the tokenizer config's
+  `eos_token` when `generation_config.json` lists it among its `eos_token_id`s (or lists
+  none), else the first id listed there (the token that ends a turn of an instruct model)."""
+  path = os.path.join(directory, "tokenizer.json")
+  if not os.path.isfile(path):
+    return sentencepiece_vocabulary(os.path.join(directory, "tokenizer.model"))
+  vocab = HfTokenizerVocabulary(path)
+  generation = os.path.join(directory, "generation_config.json")
+  eos = None
+  if os.path.isfile(generation):
+    with open(generation) as f:
+      eos = json.load(f).get("eos_token_id")
+  eos = [eos] if isinstance(eos, int) else list(eos or [])
+  if eos and vocab.eos_id not in eos:
+    token = vocab.tokenizer.id_to_token(eos[0])
+    if token is None:
+      raise ValueError(f"{generation}: eos_token_id {eos[0]} is not in {path}")
+    vocab = HfTokenizerVocabulary(path, eos_token=token)
+  return vocab
+
+
 def tag_ids(vocab: seqio.Vocabulary) -> dict[str, list[int]]:
   """Each protocol tag's token ids: one id with our SentencePiece model, possibly several
   with a HF tokenizer. The tag is encoded on its own, with any leading whitespace-only token

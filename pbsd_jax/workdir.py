@@ -21,9 +21,9 @@ import os
 from typing import Any
 
 # Fields (or whole sections) that may change when a run resumes.
-RESUMABLE = ("sft.steps", "rl.steps", "eval", "checkpoint.save_interval_steps",
+RESUMABLE = ("sft.steps", "rl.steps", "rl.save_rollouts", "eval", "checkpoint.save_interval_steps",
              "checkpoint.max_to_keep", "checkpoint.async_save", "env.url", "env.timeout_s",
-             "env.max_retries", "mesh", "model.attention")
+             "env.max_retries", "env.index_dir", "mesh", "model.attention")
 CONFIG_FILE = "run_config.json"
 LOCK_FILE = ".lock"
 _held: list = []  # the locks `claim_for_script` keeps for the life of the process

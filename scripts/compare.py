@@ -82,7 +82,7 @@ def main(argv):
         return json.load(f)
     algo = run_config.build_algorithm(settings)
     result = {name: evaluate.evaluate_policy(
-        model, task.env, params, records, task.encode, task.index, batch_size=64,
+        model, task.env, params, records, **task.rollout_args, batch_size=64,
         rng=jax.random.fold_in(jax.random.key(settings.seed), i),
         prompt_width=config.data.prompt_width, gold_width=config.data.gold_width,
         samples_per_question=_SAMPLES.value, temperature=config.eval.temperature,

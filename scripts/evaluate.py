@@ -79,7 +79,7 @@ def main(argv):
   rng = jax.random.key(_SEED.value)
   for i, (name, records) in enumerate(splits.items()):
     got = evaluate.evaluate_policy(
-        model, task.env, params, records, task.encode, task.index, batch_size=_BATCH_SIZE.value,
+        model, task.env, params, records, **task.rollout_args, batch_size=_BATCH_SIZE.value,
         rng=jax.random.fold_in(rng, i), prompt_width=config.data.prompt_width,
         gold_width=config.data.gold_width,
         samples_per_question=samples, temperature=config.eval.temperature,

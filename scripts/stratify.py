@@ -62,7 +62,7 @@ def main(argv):
 
   sampler = Sampler(model, temperature=config.eval.temperature, top_p=config.eval.top_p)
   result = evaluate.evaluate(
-      sampler, task.env, params, records, task.encode, task.index,
+      sampler, task.env, params, records, **task.rollout_args,
       batch_size=_BATCH_SIZE.value, rng=jax.random.key(_SEED.value),
       prompt_width=config.data.prompt_width, gold_width=config.data.gold_width,
       samples_per_question=_SAMPLES.value, pass_k=(),

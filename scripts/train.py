@@ -42,6 +42,7 @@ def main(argv):
   lead = jax.process_index() == 0  # writes the files every process would write alike
   if lead:
     policy_checkpoint.save_model_config(_WORKDIR.value, model)
+    task_lib.save_tokenizer(config, _WORKDIR.value)
   log = MetricLog(_WORKDIR.value)
   force = _FORCE_RESUME.value
   progress = tqdm.tqdm if lead else (lambda it, **kw: it)

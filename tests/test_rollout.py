@@ -236,11 +236,20 @@ def test_classify_turn_follows_the_last_closing_tag():
 def test_assemble_observation_concatenates_documents_and_keeps_the_closing_tag():
   docs = jnp.array([[[11, 12, 13], [21, 22, -1]], [[31, -1, -1], [41, 42, 43]]])
   lengths = jnp.array([[3, 2], [1, 3]])
-  obs, n = assemble_observation(docs, lengths, jnp.array([100, 5]), info_open=7, info_close=8)
+  obs, n = assemble_observation(docs, lengths, jnp.array([100, 5]), (7,), (8,))
   np.testing.assert_array_equal(n, [7, 5])
   np.testing.assert_array_equal(obs[0, :7], [7, 11, 12, 13, 21, 22, 8])
   np.testing.assert_array_equal(obs[1, :5], [7, 31, 41, 42, 8])  # cut to the budget of 5
   assert np.all(np.asarray(obs[:, 7:]) == 0) and np.all(np.asarray(obs[1, 5:]) == 0)
+  # Tags of several tokens (a real tokenizer's): the budget counts them, the body is cut.
+  obs, n = assemble_observation(docs, lengths, jnp.array([100, 6]), (7, 70), (8, 80, 88))
+  np.testing.assert_array_equal(n, [10, 6])
+  np.testing.assert_array_equal(obs[0, :10], [7, 70, 11, 12, 13, 21, 22, 8, 80, 88])
+  np.testing.assert_array_equal(obs[1, :6], [7, 70, 31, 8, 80, 88])
+  assert np.all(np.asarray(obs[1, 6:]) == 0)
+  # A budget below the tags and one token shows nothing.
+  _, n = assemble_observation(docs, lengths, jnp.array([5, 6]), (7, 70), (8, 80, 88))
+  np.testing.assert_array_equal(n, [0, 6])
 
 
 _ENV_FIELDS = dict(buffer_size=12, max_turns=2, max_action_tokens=8, max_observation_tokens=8,
@@ -267,16 +276,29 @@ def test_agent_env_names_the_field_that_cannot_run(field, value, why):
     AgentEnv(**{**_ENV_FIELDS, field: value})
 
 
-def test_single_token_tags_are_required():
-  class TwoTokenTags:
+def test_tags_of_several_tokens_are_kept_as_sequences_and_need_the_host_loop():
+  class TwoTokenSearch:
     eos_id = 1
 
     def encode(self, text):
-      return [3, 4] if text == protocol.SEARCH_OPEN else [5]
+      ids = {tag: [3 + i] for i, tag in enumerate(protocol.TAGS)}
+      return [40, 41] if text == protocol.SEARCH_OPEN else ids.get(text, [50, 51])
 
-  with pytest.raises(ValueError, match="<search>"):
-    AgentEnv.from_vocab(TwoTokenTags(), buffer_size=8, max_turns=1, max_action_tokens=4,
-                        max_observation_tokens=4, max_query_tokens=2, top_k=1)
+  env = AgentEnv.from_vocab(TwoTokenSearch(), buffer_size=8, max_turns=1, max_action_tokens=4,
+                            max_observation_tokens=4, max_query_tokens=2, top_k=1)
+  assert env.text_tags
+  assert env.search_open == (40, 41) and env.tag_tokens("info_open") == (7,)
+  with pytest.raises(ValueError, match="several tokens"):
+    env.stop_sequences
+  prompts = jnp.ones((1, 2), jnp.int32)
+  config = ModelConfig(vocab_size=64, hidden_size=16, num_layers=1, num_heads=2,
+                       num_kv_heads=1, mlp_dim=32)
+  with pytest.raises(ValueError, match="single-token protocol tags"):
+    ingraph_rollout(Sampler(config), env, None, prompts, prompts > 0, jax.random.key(0),
+                    None, jnp.zeros((1, 1, 2), jnp.int32))
+  with pytest.raises(ValueError, match="TokenText"):
+    host_rollout(Sampler(config), env, None, prompts, prompts > 0, jax.random.key(0), None,
+                 None, None, [["a"]])
 
 
 def _oracle_answer(kg, question, relations, start_name, first_query=None):

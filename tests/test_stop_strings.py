@@ -183,3 +183,67 @@ def test_an_unsupported_decoder_is_named(tmp_path):
   assert spec["decoder"]["type"] == "WordPiece"
   with pytest.raises(ValueError, match="WordPiece"):
     vocab_lib.token_bytes(vocab_lib.HfTokenizerVocabulary(path, eos_token="[UNK]"))
+
+
+def _turn_sequences(vocab):
+  """Whole turns: junk, an opening tag, a query or answer, a closing tag and a tail, each part
+  drawn from protocol fragments (tags whole and split, other tags, whitespace) and random
+  ids; sometimes ended by EOS."""
+  enc = lambda *texts: [list(vocab.encode(t)) for t in texts]
+  junk = st.one_of(st.sampled_from(enc(*protocol.TAGS, "</", "search", ">", "<search", "  ",
+                                       "answer>", " x", "\n", "</search>.")),
+                   st.lists(st.integers(0, vocab.vocab_size - 1), min_size=1, max_size=2))
+  part = lambda *texts: st.one_of(st.sampled_from(enc(*texts)), st.sampled_from(enc(*texts)),
+                                  junk, st.just([]))
+  tags = {"search": (("<search>", " <search> ", "<search>\n"), ("</search>", "</search>\n")),
+          "answer": (("<answer>", " <answer>"), ("</answer>", " </answer>"))}
+  turn = st.sampled_from(sorted(tags)).flatmap(lambda kind: st.tuples(
+      st.lists(junk, max_size=3).map(lambda parts: sum(parts, [])), part(*tags[kind][0]),
+      part("Ditu Ponn", " founder of Varnhollow ", " ", "x"), part(*tags[kind][1]),
+      part(" ", "\n", "", ".")))
+  ids = turn.map(lambda parts: sum(parts, [])[:40])
+  return st.tuples(ids, st.sampled_from([False, False, False, True])).map(
+      lambda t: ([i for i in t[0] if i not in (vocab.eos_id, vocab.pad_id)] or [32])
+      + [vocab.eos_id] * t[1])
+
+
+@pytest.mark.parametrize("which", ["bpe", "metaspace"])
+def test_text_turns_are_classified_as_parse_action_reads_the_decoded_text(which, bpe, metaspace):
+  """`classify_text_turn` on device against `actions.parse_action` of the decoded turn: the
+  kind, and the query tokens hold the parsed query (they are the tokens holding its bytes)."""
+  from pbsd_jax.env import actions, token_text
+  from pbsd_jax.env.agent_env import (KIND_ANSWER, KIND_EOS, KIND_INVALID, KIND_SEARCH,
+                                      AgentEnv)
+  vocab = {"bpe": bpe, "metaspace": metaspace}[which]
+  env = AgentEnv.from_vocab(vocab, buffer_size=64, max_turns=1, max_action_tokens=48,
+                            max_observation_tokens=40, max_query_tokens=48, top_k=1)
+  assert env.text_tags
+  text = token_text.build(vocab_lib.token_bytes(vocab), (vocab.eos_id, vocab.pad_id))
+  classify = jax.jit(token_text.classify_text_turn, static_argnums=3)
+  kinds = {actions.SEARCH: KIND_SEARCH, actions.ANSWER: KIND_ANSWER,
+           actions.INVALID: KIND_INVALID}
+  seen = {k: 0 for k in (KIND_SEARCH, KIND_ANSWER, KIND_INVALID, KIND_EOS)}
+
+  @hypothesis.settings(max_examples=300, deadline=None, database=None,
+                       suppress_health_check=list(hypothesis.HealthCheck))
+  @hypothesis.given(_turn_sequences(vocab))
+  def check(ids):
+    row = np.zeros((1, 64), np.int32)
+    row[0, 5:5 + len(ids)] = ids  # the turn starts after other tokens
+    kind, query = classify(jnp.asarray(row), jnp.array([5]), jnp.array([5 + len(ids)]), env,
+                           text)
+    kind, query = int(kind[0]), [int(t) for t in query[0] if t >= 0]
+    parsed = actions.parse_action(vocab.decode(ids), max_query_chars=10 ** 6)
+    want = KIND_EOS if ids and ids[-1] == vocab.eos_id else kinds[parsed.kind]
+    assert kind == want, (ids, vocab.decode(ids), parsed)
+    seen[kind] += 1
+    if kind == KIND_SEARCH:
+      assert parsed.content in vocab.decode(query), (vocab.decode(ids), vocab.decode(query))
+      # The query tokens are a contiguous run of the turn's.
+      start = next(i for i in range(len(ids)) if ids[i:i + len(query)] == query)
+      assert ids[start:start + len(query)] == query
+    else:
+      assert not query
+
+  check()
+  assert min(seen.values()) >= 20, seen

@@ -17,6 +17,8 @@ from pbsd_jax.jsonl import iter_jsonl
 SEARCH_R1_FIELDS = ("question", "golden_answers")
 QUESTION_FIELDS = SEARCH_R1_FIELDS + ("hops", "tier")
 SFT_FIELDS = QUESTION_FIELDS + ("actions", "gold_doc_ids", "detour_turns")
+# A user SFT file: a question and the whole trajectory text (actions and observations).
+TRAJECTORY_FIELDS = ("question", "trajectory")
 
 
 def _nonempty_str(v: Any) -> str | None:
@@ -63,6 +65,7 @@ _CHECKS: dict[str, Callable[[Any], str | None]] = {
     "actions": _nonempty_str_list,
     "gold_doc_ids": _doc_id_list,
     "detour_turns": _bool_list,
+    "trajectory": _nonempty_str,
 }
 
 

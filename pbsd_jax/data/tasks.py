@@ -96,3 +96,18 @@ def user_task(name: str, path: str, vocab: seqio.Vocabulary, split: str = "train
   with `question` and `golden_answers`). Other columns are ignored. The default prompt is
   Search-R1's instruction prompt, for pretrained models that must be told the protocol."""
   return _add_task(name, path, split, records_lib.SEARCH_R1_FIELDS, vocab, template)
+
+
+def _text(value) -> str:
+  return value.decode("utf-8") if isinstance(value, bytes) else str(value)
+
+
+def user_records(name: str, path: str, vocab: seqio.Vocabulary,
+                 template: str = protocol.SEARCH_R1_PROMPT_TEMPLATE) -> list[dict[str, Any]]:
+  """The questions of a user file, read back through its registered `user_task` (so the run
+  reads what a seqio pipeline over the same name reads): `question` and `golden_answers`, in
+  file order."""
+  task = user_task(name, path, vocab, "train", template)
+  rows = task.source.get_dataset("train", shuffle=False).as_numpy_iterator()
+  return [{"question": _text(row["question"]),
+           "golden_answers": [_text(a) for a in row["golden_answers"]]} for row in rows]

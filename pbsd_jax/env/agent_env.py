@@ -4,9 +4,12 @@ These are the token-level counterparts of the text protocol: `classify_turn` dec
 action from its tokens as `actions.parse_action` does from its text, and
 `assemble_observation` writes the retrieved documents' tokens between the `<information>`
 tags as `observations.format_observation` does with text. Both are jittable, so the in-graph
-rollout runs them on device; the host rollout runs the same functions. They need the protocol
-tags to be single tokens (true for our SentencePiece vocabulary; `AgentEnv.from_vocab`
-checks it).
+rollout runs them on device; the host rollout runs the same functions. They read tag ids, so
+they serve vocabularies whose protocol tags are single tokens (our SentencePiece vocabulary);
+where a tag is several tokens (every real tokenizer), `AgentEnv.from_vocab` stores each tag's
+token sequence instead, `AgentEnv.text_tags` is True, and turns are ended and classified on
+their text (`pbsd_jax.env.token_text`). Observation tags are written as token sequences in
+both cases.
 
 `AgentEnv` holds the settings and the token ids, including the end-of-sequence id: the
 environment, not the sampler, decides that EOS ends a turn and the episode.
@@ -15,7 +18,7 @@ environment, not the sampler, decides that EOS ends a turn and the episode.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -47,7 +50,8 @@ class AgentEnv:
     max_observation_tokens: an observation's budget, its two tags included.
     max_query_tokens: longer queries are invalid actions.
     top_k: documents per search.
-    search_open, search_close, answer_open, answer_close, info_open, info_close: tag ids.
+    search_open, search_close, answer_open, answer_close, info_open, info_close: tag ids, or
+      each tag's token sequence (a tuple) where the tags are several tokens (`text_tags`).
     eos_id: end of sequence; sampling it ends the turn and the episode.
     notice: token ids of the invalid-action notice.
     ignore_ids: ids dropped when comparing answers (whitespace-only pieces).
@@ -62,12 +66,12 @@ class AgentEnv:
   max_observation_tokens: int
   max_query_tokens: int
   top_k: int
-  search_open: int
-  search_close: int
-  answer_open: int
-  answer_close: int
-  info_open: int
-  info_close: int
+  search_open: int | tuple[int, ...]
+  search_close: int | tuple[int, ...]
+  answer_open: int | tuple[int, ...]
+  answer_close: int | tuple[int, ...]
+  info_open: int | tuple[int, ...]
+  info_close: int | tuple[int, ...]
   eos_id: int
   notice: tuple[int, ...]
   ignore_ids: tuple[int, ...] = ()
@@ -83,6 +87,9 @@ class AgentEnv:
     seen = {}
     for name in (*_TAG_FIELDS, "eos_id"):
       value = getattr(self, name)
+      if name != "eos_id" and isinstance(value, tuple) and value and all(
+          _is_int(t) and t >= 0 for t in value):
+        continue  # a tag of several tokens: it is matched on text
       if not _is_int(value) or value < 0:
         raise ValueError(f"AgentEnv.{name} must be a token id >= 0, got {value!r}")
       if value in seen:
@@ -96,29 +103,52 @@ class AgentEnv:
                          f"{value!r}")
     if not self.notice:
       raise ValueError("AgentEnv.notice must not be empty")
+    tags = len(self.tag_tokens("info_open")) + len(self.tag_tokens("info_close"))
+    if self.max_observation_tokens < tags + 1:
+      raise ValueError(f"AgentEnv.max_observation_tokens must hold the {tags} tokens of the "
+                       f"observation tags and one more, got {self.max_observation_tokens}")
 
   @classmethod
   def from_vocab(cls, vocab: Any, **settings) -> "AgentEnv":
-    """Reads the tag ids from a vocabulary with `encode`/`eos_id`; tags must be single tokens."""
-    ids = {}
+    """Reads the tags from a vocabulary with `encode`/`eos_id`: their ids when every tag is
+    one token (whitespace-only `ignore_ids` aside), else their token sequences (`text_tags`)."""
+    encoded = {}
     for name, tag in zip(_TAG_FIELDS, (protocol.SEARCH_OPEN, protocol.SEARCH_CLOSE,
                                        protocol.ANSWER_OPEN, protocol.ANSWER_CLOSE,
                                        protocol.INFO_OPEN, protocol.INFO_CLOSE)):
-      encoded = [t for t in vocab.encode(tag) if t not in settings.get("ignore_ids", ())]
-      if len(encoded) != 1:
-        raise ValueError(f"tag {tag!r} is {len(encoded)} tokens {encoded} in this vocabulary; "
-                         "the rollout needs single-token tags")
-      ids[name] = encoded[0]
+      ids = tuple(int(t) for t in vocab.encode(tag))
+      single = [t for t in ids if t not in settings.get("ignore_ids", ())]
+      encoded[name] = (ids, single)
+    if all(len(single) == 1 for _, single in encoded.values()):
+      tags = {name: single[0] for name, (_, single) in encoded.items()}
+    else:
+      tags = {name: ids for name, (ids, _) in encoded.items()}
     notice = tuple(vocab.encode(observations.INVALID_ACTION_NOTICE))
-    return cls(eos_id=vocab.eos_id, notice=notice, **ids, **settings)
+    return cls(eos_id=vocab.eos_id, notice=notice, **tags, **settings)
+
+  @property
+  def text_tags(self) -> bool:
+    """The tags are token sequences: turns end and are classified on their text."""
+    return any(isinstance(getattr(self, name), tuple) for name in _TAG_FIELDS)
 
   @property
   def tag_ids(self) -> tuple[int, ...]:
+    if self.text_tags:
+      raise ValueError("AgentEnv.tag_ids: the tags are several tokens each (text_tags)")
     return tuple(getattr(self, name) for name in _TAG_FIELDS)
+
+  def tag_tokens(self, name: str) -> tuple[int, ...]:
+    """A tag's token ids as a sequence (one id where the tags are single tokens)."""
+    value = getattr(self, name)
+    return value if isinstance(value, tuple) else (value,)
 
   @property
   def stop_sequences(self) -> Array:
-    """`i32[2, 1]`: a turn ends after `</search>` or `</answer>` (or EOS, `eos_id`)."""
+    """`i32[2, 1]`: a turn ends after `</search>` or `</answer>` (or EOS, `eos_id`); with
+    `text_tags` the turn's text decides instead (`token_text.TokenText.stops`)."""
+    if self.text_tags:
+      raise ValueError("AgentEnv.stop_sequences: the tags are several tokens each; stop on "
+                       "their text (token_text.TokenText.stops)")
     return jnp.array([[self.search_close], [self.answer_close]], jnp.int32)
 
 
@@ -164,28 +194,34 @@ def classify_turn(tokens: Array, start: Array, end: Array, env: AgentEnv
 
 
 def assemble_observation(doc_tokens: Array, doc_lengths: Array, budget: Array,
-                         info_open: int, info_close: int) -> tuple[Array, Array]:
+                         info_open: Sequence[int], info_close: Sequence[int]
+                         ) -> tuple[Array, Array]:
   """`<information>` + the documents' tokens, concatenated + `</information>`, per row.
 
   Args:
     doc_tokens: `i32[B, k, L]` each retrieved document's tokens, best first.
     doc_lengths: `i32[B, k]` real tokens in each.
     budget: `i32[B]` most tokens the observation may take, tags included; the documents are
-      truncated so the closing tag always fits (a budget below 3 gives an empty observation).
+      truncated so the closing tag always fits (a budget below the two tags and one token
+      gives an empty observation).
+    info_open, info_close: the tags' token ids (`AgentEnv.tag_tokens`).
 
   Returns:
-    `(obs i32[B, W], length i32[B])` with W = 2 + k * L.
+    `(obs i32[B, W], length i32[B])` with W = tags + k * L.
   """
   b, k, l = doc_tokens.shape
-  width = 2 + k * l
+  lo, lc = len(info_open), len(info_close)
+  width = lo + lc + k * l
   ends = jnp.cumsum(doc_lengths, axis=1)  # [B, k]
-  body_len = jnp.minimum(ends[:, -1], budget - 2)
-  j = jnp.arange(width)[None, :] - 1  # body position of each output column
+  body_len = jnp.minimum(ends[:, -1], budget - lo - lc)
+  j = jnp.arange(width)[None, :] - lo  # body position of each output column
   doc = jnp.sum(j[:, :, None] >= ends[:, None, :], axis=-1)  # [B, W]
   doc = jnp.minimum(doc, k - 1)
   offset = j - (jnp.take_along_axis(ends, doc, 1) - jnp.take_along_axis(doc_lengths, doc, 1))
   body = doc_tokens[jnp.arange(b)[:, None], doc, jnp.clip(offset, 0, l - 1)]
-  obs = jnp.select([j == -1, j < body_len[:, None], j == body_len[:, None]],
-                   [info_open, body, info_close], 0)
-  length = jnp.where(budget >= 3, body_len + 2, 0)
+  opening = jnp.asarray(info_open, jnp.int32)[jnp.clip(j + lo, 0, lo - 1)]
+  closing = jnp.asarray(info_close, jnp.int32)[jnp.clip(j - body_len[:, None], 0, lc - 1)]
+  obs = jnp.select([j < 0, j < body_len[:, None], j < body_len[:, None] + lc],
+                   [opening, body, closing], 0)
+  length = jnp.where(budget >= lo + lc + 1, body_len + lo + lc, 0)
   return obs.astype(jnp.int32), length.astype(jnp.int32)
