@@ -51,7 +51,7 @@ def measure(config, task, model, mesh, steps: int) -> dict:
   for step in range(steps):
     _, batch, group_ids = train.rl_inputs(task, config, step, mesh)
     before, start = compiles[0], time.perf_counter()
-    state, _, metrics = iteration(state, task.index, batch, group_ids)
+    state, _, metrics = iteration(state, (task.index, task.text), batch, group_ids)
     jax.block_until_ready((state, metrics))
     times.append(time.perf_counter() - start)
     per_step.append(compiles[0] - before)

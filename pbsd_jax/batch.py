@@ -91,6 +91,17 @@ def gold_batch(golden_answers: Sequence[Sequence[str]], encode: Encode,
   return gold
 
 
+def gold_text_batch(golden_answers: Sequence[Sequence[str]], width: int,
+                    num: int | None = None) -> np.ndarray:
+  """`i32[B, G, width]` the gold answers' SQuAD-normalised UTF-8 bytes
+  (`rewards.normalize_answer`), -1 padded: the gold of the in-graph reward where the protocol
+  tags are several tokens (`token_text.answer_match`). Longer answers are cut (and then match
+  nothing); `num` as in `gold_batch`."""
+  from pbsd_jax.rewards import normalize_answer
+  encoded = [[normalize_answer(a).encode() for a in answers] for answers in golden_answers]
+  return gold_batch(encoded, lambda text: list(text), width, num)
+
+
 def forced_batch(action_lists: Sequence[Sequence[str]], encode: Encode, max_turns: int,
                  width: int) -> tuple[np.ndarray, np.ndarray]:
   """Actions to force, `i32[max_turns, B, width]` with lengths `i32[max_turns, B]`.

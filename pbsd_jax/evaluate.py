@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pbsd_jax import credit_quality
-from pbsd_jax.batch import gold_batch, prompt_region
+from pbsd_jax.batch import gold_batch, gold_text_batch, prompt_region
 from pbsd_jax.credit_quality import gold_doc_batch
 from pbsd_jax.evidence import policy_batch
 from pbsd_jax.env import protocol
@@ -209,7 +209,9 @@ def evaluate(sampler: Sampler, env: AgentEnv, params: Any, records: Sequence[Map
   region = prompt_region([r["question"] for r in records], encode, prompt_width, template,
                          answers=([r["golden_answers"][0] for r in records] if with_credit
                                   else None), chat=chat)
-  gold = gold_batch([r["golden_answers"] for r in records], encode, gold_width)
+  golden = [r["golden_answers"] for r in records]
+  gold = (gold_batch(golden, encode, gold_width) if text is None
+          else gold_text_batch(golden, 8 * gold_width))
   gold_docs = (gold_doc_batch(records, max(r["hops"] for r in records)) if with_credit
                else None)
   rows = np.repeat(np.arange(len(records)), samples_per_question)
@@ -222,7 +224,7 @@ def evaluate(sampler: Sampler, env: AgentEnv, params: Any, records: Sequence[Map
     if isinstance(index, BM25Index):
       out = ingraph_rollout(sampler, env, params, region["prompts"][padded],
                             region["prompt_mask"][padded], jax.random.fold_in(rng, i), index,
-                            gold[padded], gold_docs=docs)
+                            gold[padded], gold_docs=docs, text=text)
     else:
       out = host_rollout(sampler, env, params, region["prompts"][padded],
                          region["prompt_mask"][padded], jax.random.fold_in(rng, i), index,

@@ -81,7 +81,7 @@ def trajectory_reward(action_texts: Sequence[str], golds: str | Sequence[str]) -
   return 0.0 if answer is None else exact_match(answer, golds)
 
 
-def _compact(tokens: Array, keep: Array) -> tuple[Array, Array]:
+def compact(tokens: Array, keep: Array) -> tuple[Array, Array]:
   """Moves the kept tokens of each row to the front, in order, padding with -1.
 
   Args:
@@ -136,11 +136,11 @@ def token_answer_reward(tokens: Array, action_mask: Array, answer_open_id: int,
   ignored = jnp.isin(tokens, jnp.asarray(ignore_ids, jnp.int32)) if ignore_ids else (
       jnp.zeros_like(action_mask, bool))
   in_span = (idx > start[:, None]) & (idx < close[:, None]) & ~ignored
-  answer, answer_len = _compact(tokens, in_span)  # [B, T], [B]
+  answer, answer_len = compact(tokens, in_span)  # [B, T], [B]
 
   gold_keep = (gold >= 0) & ~(jnp.isin(gold, jnp.asarray(ignore_ids, jnp.int32))
                               if ignore_ids else jnp.zeros_like(gold, bool))
-  gold, gold_len = _compact(gold, gold_keep)  # [B, G, L], [B, G]
+  gold, gold_len = compact(gold, gold_keep)  # [B, G, L], [B, G]
   length = gold.shape[-1]
   # Compare the first L answer tokens; a longer answer fails the length test anyway.
   answer = jnp.pad(answer, ((0, 0), (0, max(0, length - t))), constant_values=-1)[:, :length]

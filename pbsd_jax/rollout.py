@@ -37,7 +37,7 @@ from pbsd_jax.env.agent_env import (KIND_ANSWER, KIND_EOS, KIND_SEARCH, AgentEnv
                                     assemble_observation, classify_turn)
 from pbsd_jax.env.bm25 import BM25Index
 from pbsd_jax.env.retriever import Document, RetrievalError
-from pbsd_jax.env.token_text import TokenText, classify_text_turn
+from pbsd_jax.env.token_text import TokenText, answer_match, classify_bytes, turn_bytes
 from pbsd_jax.sampling import DecodeState, Sampler, STOP_BUFFER_FULL
 
 Array = jax.Array
@@ -119,6 +119,8 @@ class Episode:
     searches: `i32[B]` search turns so far.
     search_failures: `i32[B]` failed retrievals so far.
     turn_kind, turn_doc: `i32[B, K]` as in `Rollout`.
+    reward: `f32[B]` with text tags in-graph, the exact match of the last turn that held an
+      answer span so far (`token_text.answer_match`); zeros otherwise.
   """
 
   decode: DecodeState
@@ -130,6 +132,7 @@ class Episode:
   search_failures: Array
   turn_kind: Array
   turn_doc: Array
+  reward: Array
 
   @property
   def done(self) -> Array:
@@ -146,7 +149,8 @@ def _start(sampler: Sampler, env: AgentEnv, params, prompts: Array, prompt_mask:
   return Episode(decode=state, turn_ids=jnp.full(state.tokens.shape, -1, jnp.int32),
                  num_turns=zeros, finished=zeros.astype(bool),
                  truncated=(state.cursor >= env.buffer_size), searches=zeros,
-                 search_failures=zeros, turn_kind=no_turns, turn_doc=no_turns)
+                 search_failures=zeros, turn_kind=no_turns, turn_doc=no_turns,
+                 reward=jnp.zeros((b,), jnp.float32))
 
 
 def _check_text(env: AgentEnv, text: TokenText | None) -> None:
@@ -158,9 +162,11 @@ def _check_text(env: AgentEnv, text: TokenText | None) -> None:
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _act(sampler: Sampler, env: AgentEnv, params, ep: Episode, rng: Array, turn: Array,
          forced: Array | None = None, forced_length: Array | None = None,
-         text: TokenText | None = None) -> tuple[Episode, Array, Array]:
+         text: TokenText | None = None, gold: Array | None = None
+         ) -> tuple[Episode, Array, Array]:
   """One action per live row, sampled (or forced: `i32[B, La]` with lengths), classified;
-  with text tags on the turn's text (`text`)."""
+  with text tags on the turn's text (`text`), and judged against `gold`
+  (`batch.gold_text_batch`) when it is given."""
   live = ~ep.done
   state = ep.decode
   start = state.cursor
@@ -178,10 +184,17 @@ def _act(sampler: Sampler, env: AgentEnv, params, ep: Episode, rng: Array, turn:
   end = state.cursor
   cols = jnp.arange(env.buffer_size)[None, :]
   this_turn = live[:, None] & (cols >= start[:, None]) & (cols < end[:, None])
-  kind, query = (classify_text_turn(state.tokens, start, end, env, text) if env.text_tags
-                 else classify_turn(state.tokens, start, end, env))
+  reward = ep.reward
+  if env.text_tags:
+    s, n, owner = turn_bytes(state.tokens, start, end, env.max_action_tokens, text)
+    kind, query = classify_bytes(state.tokens, start, end, env, s, n, owner)
+    if gold is not None:
+      has, correct = answer_match(s, n, gold)
+      reward = jnp.where(live & has, correct.astype(jnp.float32), reward)
+  else:
+    kind, query = classify_turn(state.tokens, start, end, env)
   ends_episode = live & ((kind == KIND_ANSWER) | (kind == KIND_EOS))
-  ep = ep.replace(
+  ep = ep.replace(reward=reward,
       decode=state, turn_ids=jnp.where(this_turn, turn, ep.turn_ids),
       num_turns=ep.num_turns + live, finished=ep.finished | ends_episode,
       turn_kind=ep.turn_kind.at[:, turn].set(jnp.where(live, kind, -1)),
@@ -241,8 +254,8 @@ def _group_ids(b: int, group_ids: Array | None) -> Array:
 def ingraph_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array,
                     prompt_mask: Array, rng: Array, index: BM25Index, gold: Array,
                     group_ids: Array | None = None, forced: Array | None = None,
-                    forced_length: Array | None = None, gold_docs: Array | None = None
-                    ) -> Rollout:
+                    forced_length: Array | None = None, gold_docs: Array | None = None,
+                    text: TokenText | None = None) -> Rollout:
   """The whole multi-turn rollout as one XLA program, retrieving from a `BM25Index`.
 
   Args:
@@ -252,26 +265,28 @@ def ingraph_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array,
     prompts: `i32[B, P]` left-padded prompts; `prompt_mask: bool[B, P]`.
     rng: PRNG key (turn k uses `fold_in(rng, k)`).
     index: the device-resident BM25 index.
-    gold: `i32[B, G, L]` tokenised gold answers (-1 padded) for the token-level reward.
+    gold: `i32[B, G, L]` tokenised gold answers (-1 padded) for the token-level reward;
+      with text tags their normalised bytes (`batch.gold_text_batch`) for the text-level one.
     group_ids: `i32[B]` (default: each row its own group).
     forced: optional `i32[max_turns, B, La]` actions to force instead of sampling, with
       `forced_length: i32[max_turns, B]` (for replaying oracle trajectories).
     gold_docs: optional `i32[B, H]` chain documents (`credit_quality.gold_doc_batch`): the
       rollout then labels its turns (`Rollout.turn_label`).
+    text: the vocabulary's `TokenText`, needed where the tags are several tokens: turns end
+      and are classified on their text, queries are the tokens holding the query's bytes,
+      and the reward is the exact match of the last answer span (as `host_rollout`'s).
 
   Returns:
     A `Rollout`.
   """
-  if env.text_tags:
-    raise ValueError("the in-graph rollout needs single-token protocol tags (its reward and "
-                     "retrieval read tag ids); with this vocabulary use a host retriever")
+  _check_text(env, text)
   ep = _start(sampler, env, params, prompts, prompt_mask)
 
   def body(carry):
     ep, turn = carry
     f = None if forced is None else (forced[turn], forced_length[turn])
     ep, kind, query = _act(sampler, env, params, ep, jax.random.fold_in(rng, turn), turn,
-                           *(f or ()))
+                           *(f or (None, None)), text=text, gold=gold)
     _, doc_ids = index.search(query, env.top_k)
     docs = index.doc_tokens[doc_ids]  # [B, k, L]
     ep = _observe(sampler, env, params, ep, kind, turn, docs, index.doc_lengths[doc_ids],
@@ -280,8 +295,9 @@ def ingraph_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array,
 
   ep, _ = jax.lax.while_loop(lambda c: jnp.any(~c[0].done) & (c[1] < env.max_turns), body,
                              (ep, jnp.int32(0)))
-  reward = rewards.token_answer_reward(ep.decode.tokens, ep.decode.sampled, env.answer_open,
-                                       env.answer_close, gold, env.ignore_ids)
+  reward = ep.reward if env.text_tags else rewards.token_answer_reward(
+      ep.decode.tokens, ep.decode.sampled, env.answer_open, env.answer_close, gold,
+      env.ignore_ids)
   return _finish(ep, prompt_mask, _group_ids(prompts.shape[0], group_ids), reward, gold_docs)
 
 

@@ -21,13 +21,13 @@ import jax
 import numpy as np
 
 from pbsd_jax import run_config
-from pbsd_jax.batch import forced_batch, gold_batch, prompt_region
+from pbsd_jax.batch import forced_batch, gold_batch, gold_text_batch, prompt_region
 from pbsd_jax.credit_quality import gold_doc_batch
 from pbsd_jax.env import protocol
 from pbsd_jax.env.agent_env import AgentEnv
 from pbsd_jax.env.bm25 import BM25Index
 from pbsd_jax.models import ModelConfig, init_params
-from pbsd_jax.rollout import host_rollout, ingraph_rollout
+from pbsd_jax.rollout import ingraph_rollout
 from pbsd_jax.sampling import Sampler
 
 
@@ -66,6 +66,15 @@ class Task:
 
   def decode(self, ids) -> str:
     return self.vocab.decode([int(i) for i in ids])
+
+  def gold(self, golden_answers: list[list[str]], width: int, num: int | None = None
+           ) -> np.ndarray:
+    """The gold of the in-graph reward: answers' token ids (`batch.gold_batch`), or where the
+    tags are several tokens their normalised bytes, 8 per token of `width`
+    (`batch.gold_text_batch`)."""
+    if self.text is not None:
+      return gold_text_batch(golden_answers, 8 * width, num)
+    return gold_batch(golden_answers, self.encode, width, num)
 
   @property
   def rollout_args(self) -> dict:
@@ -217,10 +226,6 @@ def prepare_task(config, workdir: str) -> Task:
   text = (token_text.build(vocab_lib.token_bytes(vocab), (vocab.eos_id, vocab.pad_id))
           if env.text_tags else None)
   kind, index = config.env.retriever, None
-  if kind == "ingraph" and env.text_tags:
-    raise run_config.ConfigError(
-        "config.env.retriever='ingraph': the protocol tags are several tokens in this model's "
-        "vocabulary; use 'host', 'bm25s' or 'http'")
   if kind in ("ingraph", "host", "bm25s") and not (corpus or config.env.index_dir):
     raise run_config.ConfigError(f"config.env.retriever={kind!r} needs config.data.corpus "
                                  "(a corpus JSONL with 'id' and 'contents')")
@@ -232,7 +237,7 @@ def prepare_task(config, workdir: str) -> Task:
       retriever = TokenBM25Retriever.from_texts(
           contents, lambda t: list(vocab.encode(t)), vocab.vocab_size, ids=ids,
           ignore_ids=vocab_lib.non_term_ids(vocab))
-      index = None if env.text_tags else retriever.index
+      index = retriever.index
     if kind == "bm25s":
       retriever = (HostBM25Retriever.load(config.env.index_dir) if config.env.index_dir
                    else HostBM25Retriever.from_jsonl(corpus))
@@ -360,17 +365,10 @@ def sft_sequences(task: Task, records: list[dict], config, model: ModelConfig,
                            chat=task.chat)
     forced, lengths = forced_batch([r["actions"] for r in rows], task.encode, env.max_turns,
                                    env.max_action_tokens)
-    gold = gold_batch([r["golden_answers"] for r in rows], task.encode, config.data.gold_width,
-                      slots)
-    if task.index is None:  # the tags are several tokens: replay through the host loop
-      rollout = host_rollout(sampler, env, params, region["prompts"], region["prompt_mask"],
-                             jax.random.key(0), task.retriever, task.encode, task.decode,
-                             [r["golden_answers"] for r in rows], None, forced, lengths,
-                             text=task.text)
-    else:
-      rollout = ingraph_rollout(sampler, env, params, region["prompts"],
-                                region["prompt_mask"], jax.random.key(0), task.index, gold,
-                                None, forced, lengths)
+    gold = task.gold([r["golden_answers"] for r in rows], config.data.gold_width, slots)
+    rollout = ingraph_rollout(sampler, env, params, region["prompts"], region["prompt_mask"],
+                              jax.random.key(0), task.index, gold, None, forced, lengths,
+                              text=task.text)
     keep = min(chunk, len(records) - start)
     out.append(jax.tree.map(lambda x: np.asarray(x)[:keep],
                             (rollout.tokens, rollout.mask, rollout.action_mask)))
@@ -401,8 +399,8 @@ def rl_batch(task: Task, config, records: list[dict]) -> dict[str, np.ndarray]:
                          protocol.PROMPT_TEMPLATES[config.data.prompt_template],
                          answers=[r["golden_answers"][0] for r in records], chat=task.chat)
   slots, hops = task.rl_widths  # every step's batch has one shape
-  batch = dict(**region, gold=gold_batch([r["golden_answers"] for r in records], task.encode,
-                                         config.data.gold_width, slots))
+  batch = dict(**region, gold=task.gold([r["golden_answers"] for r in records],
+                                        config.data.gold_width, slots))
   if hops is not None:
     batch["gold_docs"] = gold_doc_batch(records, hops)
   return batch

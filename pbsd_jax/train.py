@@ -173,11 +173,14 @@ def _sft_rows(sequences: tuple[np.ndarray, ...], rows: np.ndarray, on_teacher: n
   return tokens, mask, action
 
 
-def ingraph_rollout_fn(sampler: Sampler, env: AgentEnv, index: Any) -> RolloutFn:
-  """`ingraph_rollout` over the batch's prompts and gold tokens, retrieving from `index`."""
+def ingraph_rollout_fn(sampler: Sampler, env: AgentEnv, index: Any, text: Any = None
+                       ) -> RolloutFn:
+  """`ingraph_rollout` over the batch's prompts and gold, retrieving from `index`; `text` is
+  the vocabulary's `TokenText` where the tags are several tokens."""
   def rollout_fn(params, rng, batch, group_ids):
     return ingraph_rollout(sampler, env, params, batch["prompts"], batch["prompt_mask"], rng,
-                           index, batch["gold"], group_ids, gold_docs=batch.get("gold_docs"))
+                           index, batch["gold"], group_ids, gold_docs=batch.get("gold_docs"),
+                           text=text)
   return rollout_fn
 
 
@@ -223,11 +226,13 @@ def make_rl_iteration(sampler: Sampler, env: AgentEnv, model: ModelConfig,
                       mesh: Mesh | None = None) -> Callable:
   """One RL step as one XLA program: in-graph rollout -> reward -> evidence -> update.
 
-  Returns `step(state, index, batch, group_ids, teacher_params=None) -> (state, rollout,
-  metrics)`, jitted. The state is donated; the frozen `teacher_params` are an argument, not
-  donated, so the same copy serves every step. With a mesh the shardings are explicit: the
-  state's from `train_state_shardings`, the batch, group ids and rollout rows over the data
-  axes (each device samples its own rows), the index and metrics replicated.
+  Returns `step(state, search, batch, group_ids, teacher_params=None) -> (state, rollout,
+  metrics)`, jitted, where `search` is `(index, text)`: the `BM25Index` and the vocabulary's
+  `TokenText` (None where the tags are single tokens). The state is donated; the frozen
+  `teacher_params` are an argument, not donated, so the same copy serves every step. With a
+  mesh the shardings are explicit: the state's from `train_state_shardings`, the batch, group
+  ids and rollout rows over the data axes (each device samples its own rows), the index, the
+  vocabulary's text and the metrics replicated.
   """
   micro = None if mesh is None else learner.micro_batch_sharding(mesh)
 
@@ -236,8 +241,8 @@ def make_rl_iteration(sampler: Sampler, env: AgentEnv, model: ModelConfig,
                            config=model, tx=tx, algo=algo, max_turns=env.max_turns, plan=plan,
                            micro_sharding=micro)
 
-  def step(state, index, batch, group_ids, teacher_params=None):
-    return rl_iteration(ingraph_rollout_fn(sampler, env, index), update, state, batch,
+  def step(state, search, batch, group_ids, teacher_params=None):
+    return rl_iteration(ingraph_rollout_fn(sampler, env, *search), update, state, batch,
                         group_ids, teacher_params)
 
   if mesh is None:
@@ -340,8 +345,8 @@ def rl_stage(config, task: Task, model: ModelConfig, params: Any, workdir: str,
   teacher_params = jax.tree.map(jnp.copy, params) if algo.distillation_beta is not None else None
   if config.env.retriever == "ingraph":
     jitted = make_rl_iteration(sampler, task.env, model, tx, algo, plan, mesh)
-    iteration = lambda state, batch, group_ids, records: jitted(state, task.index, batch,
-                                                                group_ids, teacher_params)
+    iteration = lambda state, batch, group_ids, records: jitted(
+        state, (task.index, task.text), batch, group_ids, teacher_params)
   else:
     update = learner.make_rl_step(model, tx, algo, task.env.max_turns, plan, mesh=mesh)
     iteration = lambda state, batch, group_ids, records: rl_iteration(

@@ -204,7 +204,7 @@ def test_no_rl_step_after_the_first_compiles_again_on_the_mesh(kg):
   for step in (first, second, second + 1):
     _, batch, group_ids = train.rl_inputs(task, config, step, mesh)
     before = len(_compiles)
-    state, rollout, metrics = iteration(state, task.index, batch, group_ids)
+    state, rollout, metrics = iteration(state, (task.index, task.text), batch, group_ids)
     jax.block_until_ready(metrics)
     counts.append(len(_compiles) - before)
     assert rollout.tokens.sharding.spec[0] == ("data", "fsdp")  # each device its own rows

@@ -305,7 +305,6 @@ def test_a_bm25s_index_serves_host_rollouts_with_multi_token_tags(world, tmp_pat
 
 @pytest.mark.parametrize("change, message", [
     (lambda w, t: [f"--config.model.init_dir={t}"], "needs a model with its tokenizer"),
-    (lambda w, t: ["--config.env.retriever=ingraph"], "several tokens in this model"),
     (lambda w, t: ["--config.env.url=http://127.0.0.1:9/retrieve"],
      "the retrieval server does not answer"),
     (lambda w, t: ["--config.data.prompt_width=30"],

@@ -276,7 +276,7 @@ def test_agent_env_names_the_field_that_cannot_run(field, value, why):
     AgentEnv(**{**_ENV_FIELDS, field: value})
 
 
-def test_tags_of_several_tokens_are_kept_as_sequences_and_need_the_host_loop():
+def test_tags_of_several_tokens_are_kept_as_sequences_and_need_the_vocabulary_text():
   class TwoTokenSearch:
     eos_id = 1
 
@@ -293,7 +293,7 @@ def test_tags_of_several_tokens_are_kept_as_sequences_and_need_the_host_loop():
   prompts = jnp.ones((1, 2), jnp.int32)
   config = ModelConfig(vocab_size=64, hidden_size=16, num_layers=1, num_heads=2,
                        num_kv_heads=1, mlp_dim=32)
-  with pytest.raises(ValueError, match="single-token protocol tags"):
+  with pytest.raises(ValueError, match="TokenText"):
     ingraph_rollout(Sampler(config), env, None, prompts, prompts > 0, jax.random.key(0),
                     None, jnp.zeros((1, 1, 2), jnp.int32))
   with pytest.raises(ValueError, match="TokenText"):

@@ -127,7 +127,7 @@ def _one_step_both_ways(kg, algorithm):
   records, group_ids = task_lib.rl_prompts(task, config, 0)
   batch = task_lib.rl_batch(task, config, records)
   group_ids = jnp.asarray(group_ids, jnp.int32)
-  args = (state, task.index, batch, group_ids, teacher)
+  args = (state, (task.index, task.text), batch, group_ids, teacher)
   text = iteration.lower(*args).as_text()
   one = iteration(*args)
 

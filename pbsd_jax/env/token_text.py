@@ -20,6 +20,7 @@ Whitespace is the one-byte characters `str.isspace` accepts; a multi-byte Unicod
 
 from __future__ import annotations
 
+import string
 from typing import Sequence
 
 import jax
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from pbsd_jax import stop_strings
+from pbsd_jax import rewards, stop_strings
 from pbsd_jax.env import protocol
 
 Array = jax.Array
@@ -40,7 +41,7 @@ class TokenText:
   """A vocabulary's text on device.
 
   Attributes:
-    bytes: `i32[V, W]` each token's bytes, 0 padded; W the longest token's byte length.
+    bytes: `u8[V, W]` each token's bytes, 0 padded; W the longest token's byte length.
     length: `i32[V]` each token's byte length (0 for the end-of-sequence and pad ids, which
       decoding drops).
     stops: the automata of `protocol.STOP_TAGS` (`stop_strings.build`).
@@ -56,7 +57,7 @@ def build(token_bytes: Sequence[bytes], silent_ids: Sequence[int] = ()) -> Token
   `silent_ids` (EOS, pad) append nothing."""
   token_bytes = [b"" if i in set(silent_ids) else b for i, b in enumerate(token_bytes)]
   width = max(1, max(len(b) for b in token_bytes))
-  data = np.zeros((len(token_bytes), width), np.int32)
+  data = np.zeros((len(token_bytes), width), np.uint8)
   for i, b in enumerate(token_bytes):
     data[i, :len(b)] = np.frombuffer(b, np.uint8)
   return TokenText(bytes=jnp.asarray(data),
@@ -82,7 +83,8 @@ def turn_bytes(tokens: Array, start: Array, end: Array, width: int, text: TokenT
   j = jnp.arange(w)[None, None, :]
   pos = jnp.where(j < lengths[..., None], offsets[..., None] + j, n)  # [B, width, W]
   rows = jnp.arange(b)[:, None, None]
-  s = jnp.full((b, n + 1), -1, jnp.int32).at[rows, pos].set(text.bytes[tok])[:, :n]
+  s = jnp.full((b, n + 1), -1, jnp.int32).at[rows, pos].set(
+      text.bytes[tok].astype(jnp.int32))[:, :n]
   owner = jnp.zeros((b, n + 1), jnp.int32).at[rows, pos].set(
       jnp.broadcast_to(jnp.arange(width)[None, :, None], pos.shape))[:, :n]
   return s, jnp.sum(lengths, 1), owner
@@ -106,9 +108,15 @@ def classify_text_turn(tokens: Array, start: Array, end: Array, env, text: Token
   query spans more than `env.max_query_tokens` tokens is invalid. A turn whose last token is
   `env.eos_id` is `KIND_EOS`.
   """
+  s, n, owner = turn_bytes(tokens, start, end, env.max_action_tokens, text)
+  return classify_bytes(tokens, start, end, env, s, n, owner)
+
+
+def classify_bytes(tokens: Array, start: Array, end: Array, env, s: Array, n: Array,
+                   owner: Array) -> tuple[Array, Array]:
+  """`classify_text_turn` on the turn's bytes (`turn_bytes`)."""
   from pbsd_jax.env.agent_env import KIND_ANSWER, KIND_EOS, KIND_INVALID, KIND_SEARCH
   b, t = tokens.shape
-  s, n, owner = turn_bytes(tokens, start, end, env.max_action_tokens, text)
   p = jnp.arange(s.shape[1])[None, :]
   text_byte = (p < n[:, None]) & ~jnp.isin(s, jnp.array(WHITESPACE))
   body_end = jnp.max(jnp.where(text_byte, p, -1), 1) + 1  # the rstripped text's length
@@ -118,11 +126,8 @@ def classify_text_turn(tokens: Array, start: Array, end: Array, env, text: Token
     at = body_end - len(tag)
     return (at >= 0) & jnp.take_along_axis(occ[tag], jnp.maximum(at, 0)[:, None], 1)[:, 0]
 
-  def last_before(tag, limit):  # start of the last occurrence that ends by `limit`
-    return jnp.max(jnp.where(occ[tag] & (p + len(tag) <= limit[:, None]), p, -1), 1)
-
   close = body_end - len(protocol.SEARCH_CLOSE)
-  opened = last_before(protocol.SEARCH_OPEN, close)
+  opened = _last_before(occ, protocol.SEARCH_OPEN, close)
   q0 = opened + len(protocol.SEARCH_OPEN)
   in_query = (p >= q0[:, None]) & (p < close[:, None])
   first = jnp.min(jnp.where(in_query & text_byte, p, s.shape[1]), 1)
@@ -136,7 +141,7 @@ def classify_text_turn(tokens: Array, start: Array, end: Array, env, text: Token
   search = (ends_with(protocol.SEARCH_CLOSE) & (opened >= 0) & (last >= 0)
             & (q_len <= env.max_query_tokens) & ~has_tag)
   answer = ends_with(protocol.ANSWER_CLOSE) & (
-      last_before(protocol.ANSWER_OPEN, body_end - len(protocol.ANSWER_CLOSE)) >= 0)
+      _last_before(occ, protocol.ANSWER_OPEN, body_end - len(protocol.ANSWER_CLOSE)) >= 0)
   last_token = jnp.take_along_axis(tokens, jnp.clip(end - 1, 0, t - 1)[:, None], 1)[:, 0]
   eos = (end > start) & (last_token == env.eos_id)
   kind = jnp.select([eos, search, answer], [KIND_EOS, KIND_SEARCH, KIND_ANSWER], KIND_INVALID)
@@ -145,3 +150,70 @@ def classify_text_turn(tokens: Array, start: Array, end: Array, env, text: Token
   query = jnp.where((kind == KIND_SEARCH)[:, None] & (k < q_len[:, None]),
                     jnp.take_along_axis(tokens, q_cols, 1), -1)
   return kind.astype(jnp.int32), query.astype(jnp.int32)
+
+
+def _last_before(occ: dict, tag: str, limit: Array) -> Array:
+  """`i32[B]` start of `tag`'s last occurrence that ends by `limit` (-1: none)."""
+  p = jnp.arange(occ[tag].shape[1])[None, :]
+  return jnp.max(jnp.where(occ[tag] & (p + len(tag) <= limit[:, None]), p, -1), 1)
+
+
+_PUNCTUATION = tuple(string.punctuation.encode())
+
+
+def normalize_bytes(s: Array, keep: Array) -> tuple[Array, Array]:
+  """SQuAD's `rewards.normalize_answer` on the bytes `s` where `keep`: lower-case, no
+  punctuation, no articles, single spaces. `(i32[B, N] -1 padded, length i32[B])`.
+
+  On ASCII text it equals `normalize_answer(...).encode()`; it lower-cases ASCII letters only,
+  and a non-ASCII symbol glued to an article ("the—") keeps the article, where Python's
+  `\b` would drop it.
+  """
+  lower = jnp.where((s >= 65) & (s <= 90), s + 32, s)
+  space = jnp.isin(s, jnp.array(WHITESPACE))
+  c, _ = rewards.compact(jnp.where(space, 32, lower), keep & ~jnp.isin(s, jnp.array(_PUNCTUATION)))
+  word = (c >= 0) & (c != 32)
+  before = jnp.pad(word, [(0, 0), (1, 0)])[:, :-1]
+  after = lambda k: jnp.pad(word, [(0, 0), (0, k)])[:, k:]
+  padded = jnp.pad(c, [(0, 0), (0, 4)], constant_values=-1)
+  article = jnp.zeros(c.shape, bool)
+  for art in (b"a", b"an", b"the"):
+    hit = word & ~before & ~after(len(art))
+    for k, byte in enumerate(art):
+      hit &= padded[:, k:k + c.shape[1]] == byte
+    for k in range(len(art)):
+      article |= jnp.pad(hit, [(0, 0), (k, 0)])[:, :c.shape[1]]
+  kept = word & ~article
+  # One space for each run of separators (spaces, dropped articles) between kept words.
+  ahead = jnp.flip(jax.lax.cummax(jnp.flip(kept, 1).astype(jnp.int32), axis=1), 1) > 0
+  joiner = (~kept & jnp.pad(kept, [(0, 0), (1, 0)])[:, :-1]
+            & jnp.pad(ahead, [(0, 0), (0, 1)])[:, 1:])
+  return rewards.compact(jnp.where(joiner, 32, c), kept | joiner)
+
+
+def answer_match(s: Array, n: Array, gold: Array) -> tuple[Array, Array]:
+  """The turn's answer against the gold answers, as `rewards.trajectory_reward` judges text.
+
+  Args:
+    s, n: the turn's bytes (`turn_bytes`).
+    gold: `i32[B, G, L]` the gold answers' normalised bytes, -1 padded
+      (`batch.gold_text_batch`).
+
+  Returns:
+    `(has bool[B], correct bool[B])`: the turn holds a complete `<answer>...</answer>` (the
+    last closing tag and the last opening tag before it), and its normalised content equals a
+    non-empty gold answer.
+  """
+  p = jnp.arange(s.shape[1])[None, :]
+  occ = {tag: occurrences(s, tag) for tag in (protocol.ANSWER_OPEN, protocol.ANSWER_CLOSE)}
+  close = _last_before(occ, protocol.ANSWER_CLOSE, n)
+  opened = _last_before(occ, protocol.ANSWER_OPEN, close)
+  has = (close >= 0) & (opened >= 0)
+  span = (p >= (opened + len(protocol.ANSWER_OPEN))[:, None]) & (p < close[:, None])
+  answer, length = normalize_bytes(s, span & has[:, None])
+  width = gold.shape[-1]
+  answer = jnp.pad(answer, [(0, 0), (0, max(0, width - answer.shape[1]))],
+                   constant_values=-1)[:, :width]
+  gold_length = jnp.sum(gold >= 0, -1)
+  same = jnp.all(answer[:, None, :] == gold, -1) & (length[:, None] == gold_length)
+  return has, has & jnp.any(same & (gold_length > 0), 1)
