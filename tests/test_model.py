@@ -58,6 +58,31 @@ def test_cached_decode_reproduces_full_forward_logits(config):
   np.testing.assert_allclose(jnp.concatenate(logits, 1), full, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("size", [16, 22])  # whole blocks, and a last block that overlaps
+def test_decode_reads_only_the_filled_blocks_and_equals_the_full_forward(size, monkeypatch):
+  """Decode attention in blocks of 4 slots with an online softmax, rows filled to different
+  lengths: the logits equal the full forward's, and the blocks past the longest filled
+  prefix are never read (they hold NaN here, which any read would spread)."""
+  from pbsd_jax.models import transformer
+  monkeypatch.setattr(transformer, "DECODE_BLOCK", 4)
+  forward = jax.jit(_forward.__wrapped__, static_argnums=0)  # traced with the small blocks
+  params = _setup(DENSE)
+  tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, DENSE.vocab_size)
+  full = forward(DENSE, params, tokens).logits
+  out = forward(DENSE, params, tokens[:, :3], cache=KVCache.init(DENSE, 2, size),
+                write_index=jnp.zeros(2, jnp.int32))
+  cache = out.cache
+  poison = lambda x: x.at[:, :, :, 12:].set(jnp.nan)  # slots 12.. : past every fill below
+  cache = cache.replace(k=poison(cache.k), v=poison(cache.v))
+  logits = [out.logits]
+  for i in range(3, 10):
+    out = forward(DENSE, params, tokens[:, i:i + 1], cache=cache,
+                  write_index=jnp.full((2,), i))
+    logits.append(out.logits)
+    cache = out.cache
+  np.testing.assert_allclose(jnp.concatenate(logits, 1), full, atol=1e-5, rtol=1e-5)
+
+
 def test_rows_advance_independently_in_the_cache():
   # Row 0 has a 3-token prompt, row 1 a 6-token one (left-padded); then each appends a
   # different number of tokens at its own cursor. Each row must equal its own plain forward.
