@@ -3,12 +3,13 @@
   python benchmarks/ours_decode.py --model DIR [--rows 64 --filled 896 --big 32768]
 
 The same decode -- `--rows` rows, each with `--filled` tokens already in its cache, then
-`--steps` sampled tokens per call, the state carried from call to call -- runs in a buffer of `--small` slots and in one of `--big` slots
-(the extra slots empty), once as `Sampler.decode` runs it (the cache read in
-`transformer.DECODE_BLOCK`-slot blocks up to the longest filled prefix) and once with a single
-block of the whole buffer (every slot read, as before the blocks). The cache of the big buffer
-is the small one's, padded, so the three runs attend to the same keys. Prints the step times
-and their ratios to the small buffer's; the last line is `RESULT {json}`.
+`--steps` sampled tokens per call, the state carried from call to call -- runs in a buffer of
+`--small` slots and in one of `--big` slots (the extra slots empty), once as `Sampler.decode`
+runs it (the cache read in `transformer.DECODE_BLOCK`-slot blocks up to the longest filled
+prefix) and once with a single block of the whole buffer (every slot read, as before the
+blocks). The cache of the big buffer is the small one's, padded, so the three runs attend to
+the same keys. Prints the step times and their ratios to the small buffer's; the last line is
+`RESULT {json}`.
 """
 
 from __future__ import annotations

@@ -65,7 +65,8 @@ def test_decode_reads_only_the_filled_blocks_and_equals_the_full_forward(size, m
   prefix are never read (they hold NaN here, which any read would spread)."""
   from pbsd_jax.models import transformer
   monkeypatch.setattr(transformer, "DECODE_BLOCK", 4)
-  forward = jax.jit(_forward.__wrapped__, static_argnums=0)  # traced with the small blocks
+  # A function of its own, so that no cached trace of `_forward` (with blocks of 256) is used.
+  forward = jax.jit(lambda *args, **kw: _forward.__wrapped__(*args, **kw), static_argnums=0)
   params = _setup(DENSE)
   tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, DENSE.vocab_size)
   full = forward(DENSE, params, tokens).logits

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from pbsd_jax.env import actions, protocol
+from pbsd_jax.env import protocol
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -181,7 +181,6 @@ SMALL = ["--config.model.param_dtype=float32", "--config.model.dtype=float32",
 
 
 def test_train_kill_resume_and_evaluate_a_converted_model_through_the_server(world, tmp_path):
-  from pbsd_jax import vocab as vocab_lib
   workdir = str(tmp_path / "run")
   # Killed once the first RL step is saved, then resumed by the same command.
   proc = _run(_flags(world, workdir), wait=False)
@@ -197,33 +196,16 @@ def test_train_kill_resume_and_evaluate_a_converted_model_through_the_server(wor
     rows = [json.loads(line) for line in f]
   assert [r["step"] for r in rows if r["stage"] == "rl"] == [1, 2, 3], out[-2000:]
 
-  vocab = vocab_lib.model_vocabulary(os.path.join(workdir, "tokenizer"))
-  assert vocab.eos_id == vocab.tokenizer.token_to_id("<|im_end|>")
-  answers = {q: a for q, a, _ in QUESTIONS}
-  rewarded = 0
-  for step in (2, 3):
-    r = dict(np.load(os.path.join(workdir, "rollouts", f"rl_{step}.npz")))
-    p = int(r["prompt_width"])
-    for b in range(r["tokens"].shape[0]):
-      tokens, trained = r["tokens"][b], r["action_mask"][b]
-      real = r["mask"][b]
-      # Trained on exactly the sampled tokens (each with its sampling log-prob), in the
-      # trajectory; every other trajectory token is the environment's.
-      assert not trained[:p].any() and not (trained & ~real).any()
-      assert np.all(r["sample_logp"][b][trained] < 0)
-      observations = vocab.decode(tokens[p:int(r["length"][b])][~trained[p:int(r["length"][b])]])
-      assert protocol.SEARCH_CLOSE not in observations and protocol.ANSWER_OPEN not in observations
-      text = vocab.decode(tokens[p:int(r["length"][b])])
-      assert text.count(protocol.INFO_OPEN) == int(r["searches"][b])
-      # The reward is the exact match of the last answer, recomputed from the decoded turns.
-      prompt = vocab.tokenizer.decode(tokens[:p][real[:p]].tolist(), skip_special_tokens=False)
-      question = prompt.split("Question: ")[1].split("\n")[0]
-      turns = [vocab.decode(tokens[r["turn_ids"][b] == k]) for k in range(int(r["num_turns"][b]))]
-      answer = [a.content for a in map(actions.parse_action, turns) if a.kind == actions.ANSWER]
-      want = float(bool(answer) and _normalize(answer[-1]) == _normalize(answers[question]))
-      assert r["reward"][b] == want, (text, answers[question])
-      rewarded += want
-  assert rewarded > 0  # the check above compared some right answers
+  _check_rollouts(workdir, (2, 3))
+  # The SFT checkpoint seeds an in-graph run over the same corpus tokenised with the model's
+  # tokenizer (found in the first run's <workdir>/tokenizer): one XLA program per step.
+  ingraph = str(tmp_path / "ingraph")
+  _run([os.path.join("scripts", "train.py"), "--config=configs/search_r1.py",
+        f"--workdir={ingraph}", f"--config.model.init_dir={workdir}/ckpt_sft",
+        f"--config.data.train_files={world['questions']}", "--config.env.retriever=ingraph",
+        f"--config.data.corpus={world['corpus']}", *SMALL, "--config.sft.steps=0",
+        "--config.rl.steps=1"])
+  _check_rollouts(ingraph, (1,))
 
   out = _run([os.path.join("scripts", "evaluate.py"), "--config=configs/search_r1.py",
               f"--ckpt_dir={workdir}/ckpt_rl", f"--splits={world['questions']}",
@@ -233,6 +215,47 @@ def test_train_kill_resume_and_evaluate_a_converted_model_through_the_server(wor
   with open(os.path.join(workdir, "eval_ckpt_rl_step3.json")) as f:
     result = json.load(f)["splits"][world["questions"]]
   assert result["greedy"]["num_questions"] == 8, out[-2000:]
+
+
+def _check_rollouts(workdir, steps):
+  """The saved rollouts of `steps`: trained on exactly the sampled tokens, observations the
+  environment's, rewards the exact match recomputed from the decoded text (some right)."""
+  from pbsd_jax import vocab as vocab_lib
+  vocab = vocab_lib.model_vocabulary(os.path.join(workdir, "tokenizer"))
+  assert vocab.eos_id == vocab.tokenizer.token_to_id("<|im_end|>")
+  answers = {q: a for q, a, _ in QUESTIONS}
+  rewarded = 0
+  for step in steps:
+    r = dict(np.load(os.path.join(workdir, "rollouts", f"rl_{step}.npz")))
+    p = int(r["prompt_width"])
+    for b in range(r["tokens"].shape[0]):
+      tokens, trained = r["tokens"][b], r["action_mask"][b]
+      real = r["mask"][b]
+      # Trained on exactly the sampled tokens (each with its sampling log-prob), in the
+      # trajectory; every other trajectory token is the environment's.
+      assert not trained[:p].any() and not (trained & ~real).any()
+      assert np.all(r["sample_logp"][b][trained] < 0)
+      trajectory = slice(p, int(r["length"][b]))
+      observations = vocab.decode(tokens[trajectory][~trained[trajectory]])
+      assert protocol.SEARCH_CLOSE not in observations
+      assert protocol.ANSWER_OPEN not in observations
+      text = vocab.decode(tokens[trajectory])
+      assert text.count(protocol.INFO_OPEN) == int(r["searches"][b])
+      # The reward is the exact match of the last complete answer span of the actions,
+      # recomputed from the decoded turns.
+      prompt = vocab.tokenizer.decode(tokens[:p][real[:p]].tolist(), skip_special_tokens=False)
+      question = prompt.split("Question: ")[1].split("\n")[0]
+      spans = []
+      for k in range(int(r["num_turns"][b])):
+        turn = vocab.decode(tokens[r["turn_ids"][b] == k])
+        close = turn.rfind(protocol.ANSWER_CLOSE)
+        start = turn.rfind(protocol.ANSWER_OPEN, 0, max(close, 0))
+        if close >= 0 and start >= 0:
+          spans.append(turn[start + len(protocol.ANSWER_OPEN):close])
+      want = float(bool(spans) and _normalize(spans[-1]) == _normalize(answers[question]))
+      assert r["reward"][b] == want, (text, answers[question])
+      rewarded += want
+  assert rewarded > 0  # the check above compared some right answers
 
 
 def _config(world, *extra):
@@ -352,3 +375,76 @@ def _without_template(world, tmp_path):
   del data["chat_template"]
   config_file.write_text(json.dumps(data))
   return str(target)
+
+
+def test_the_model_vocabulary_reads_the_generation_config_and_sentencepiece_files(world, kg,
+                                                                                 tmp_path):
+  import shutil
+  from pbsd_jax import vocab as vocab_lib
+  assets = vocab_lib.tokenizer_dir(world["ckpt"])
+  # The tokenizer config names <|endoftext|>, the generation config lists <|im_end|> only: an
+  # instruct model ends its turn with the latter.
+  other = tmp_path / "other"
+  shutil.copytree(assets, other)
+  config = json.loads((other / "tokenizer_config.json").read_text())
+  (other / "tokenizer_config.json").write_text(json.dumps({**config,
+                                                           "eos_token": "<|endoftext|>"}))
+  im_end = vocab_lib.HfTokenizerVocabulary(str(other / "tokenizer.json")).tokenizer.token_to_id(
+      "<|im_end|>")
+  (other / "generation_config.json").write_text(json.dumps({"eos_token_id": im_end}))
+  assert vocab_lib.model_vocabulary(str(other)).eos_id == im_end
+  # A SentencePiece `tokenizer.model` (Llama-2 style) is read as SentencePiece.
+  spm = tmp_path / "spm"
+  spm.mkdir()
+  shutil.copy(kg.paths["spm_model"], spm / "tokenizer.model")
+  assert vocab_lib.tokenizer_dir(str(spm)) == str(spm)
+  vocab = vocab_lib.model_vocabulary(str(spm))
+  assert vocab.encode("Question: who?") == kg.vocab.encode("Question: who?")
+
+
+def test_chat_prompts_put_the_privileged_block_in_the_user_message(world, tmp_path):
+  """Student and teacher prompts are the chat template's rendering of the user message (the
+  teacher's with the privileged block appended), each left-padded to P."""
+  from pbsd_jax import privileged, task as task_lib
+  from pbsd_jax.batch import prompt_region
+  from pbsd_jax.models import chat_template
+  task = task_lib.prepare_task(_config(world, "--config.env.retriever=bm25s",
+                                       f"--config.data.corpus={world['corpus']}"),
+                               str(tmp_path))
+  directory = os.path.join(world["ckpt"], "hf_assets")
+  region = prompt_region(["Who founded Varnhollow?"], task.encode, 112,
+                         answers=["Ditu Ponn"], chat=task.chat)
+  message = protocol.format_prompt("Who founded Varnhollow?")
+  for key, text in (("prompts", message),
+                    ("teacher_prompt", message + privileged.privileged_block("Ditu Ponn"))):
+    want = task.encode(chat_template.apply_chat_template(
+        directory, [{"role": "user", "content": text}], add_generation_prompt=True))
+    mask = region[f"{key}_mask" if key == "teacher_prompt" else "prompt_mask"][0]
+    assert region[key][0][mask].tolist() == want and mask[-len(want):].all()
+  assert vocab_decode(task, region["teacher_prompt"][0]).endswith("<|im_start|>assistant\n")
+
+
+def vocab_decode(task, ids):
+  return task.vocab.tokenizer.decode([int(i) for i in ids if i], skip_special_tokens=False)
+
+
+def test_user_trajectories_train_on_the_actions_only(world, tmp_path):
+  from pbsd_jax import task as task_lib
+  config = _config(world, "--config.env.retriever=bm25s",
+                   f"--config.data.corpus={world['corpus']}",
+                   f"--config.data.sft_files={world['sft']}")
+  task = task_lib.prepare_task(config, str(tmp_path))
+  tokens, mask, action = task_lib.trajectory_sequences(task, task.splits["sft"][:2], config)
+  for b, record in enumerate(task.splits["sft"][:2]):
+    row, trained = tokens[b][mask[b]], action[b][mask[b]]
+    text = record["trajectory"]
+    observation = text[text.index(protocol.INFO_OPEN) + len(protocol.INFO_OPEN):
+                       text.index(protocol.INFO_CLOSE)]
+    search = text[:text.index(protocol.INFO_OPEN)].rstrip()
+    answer = text[text.index(protocol.INFO_CLOSE) + len(protocol.INFO_CLOSE):]
+    prompt = int(mask[b][:112].sum())
+    observed = (list(task.env.tag_tokens("info_open")) + task.encode(observation)
+                + list(task.env.tag_tokens("info_close")))
+    assert row[prompt:].tolist() == task.encode(search) + observed + task.encode(answer)
+    assert trained.tolist() == ([False] * prompt + [True] * len(task.encode(search))
+                                + [False] * len(observed) + [True] * len(task.encode(answer)))
