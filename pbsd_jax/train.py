@@ -306,10 +306,11 @@ def validation_accuracy(config, task: Task, model: ModelConfig, params: Any,
   `evaluate.evaluate`'s statistics (the task's retrieval, the seed's key); with `credit` and
   an algorithm that computes turn evidence, its `credit` statistics too."""
   from pbsd_jax import evaluate
+  records = task.splits["rl_validation"][:config.eval.num_examples]
   return evaluate.evaluate(
-      Sampler(model, temperature=0.0), task.env, params,
-      task.splits["rl_validation"][:config.eval.num_examples], **task.rollout_args,
-      batch_size=50, rng=jax.random.key(config.seed), prompt_width=config.data.prompt_width,
+      Sampler(model, temperature=0.0), task.env, params, records, **task.rollout_args,
+      batch_size=min(50, len(records)), rng=jax.random.key(config.seed),
+      prompt_width=config.data.prompt_width,
       gold_width=config.data.gold_width, progress=progress,
       template=protocol.PROMPT_TEMPLATES[config.data.prompt_template],
       credit_algo=run_config.build_algorithm(config) if credit else None)

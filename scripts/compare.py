@@ -36,6 +36,7 @@ _SAMPLES = flags.DEFINE_integer("samples", 16, "Top-p samples per question (pass
 _OOD = flags.DEFINE_string("ood", "", "A question file with tiers (scripts/stratify.py).")
 _RESULTS = flags.DEFINE_string("results", "docs/results.md", "The results page to write.")
 _FORCE_RESUME = flags.DEFINE_bool("force_resume", False, "As in scripts/train.py.")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", 64, "Evaluation rollout rows per call.")
 
 
 def _write_json(path, value):
@@ -82,7 +83,7 @@ def main(argv):
         return json.load(f)
     algo = run_config.build_algorithm(settings)
     result = {name: evaluate.evaluate_policy(
-        model, task.env, params, records, **task.rollout_args, batch_size=64,
+        model, task.env, params, records, **task.rollout_args, batch_size=_BATCH_SIZE.value,
         rng=jax.random.fold_in(jax.random.key(settings.seed), i),
         prompt_width=config.data.prompt_width, gold_width=config.data.gold_width,
         samples_per_question=_SAMPLES.value, temperature=config.eval.temperature,

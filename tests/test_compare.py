@@ -42,7 +42,7 @@ def test_smooth_and_means_skip_missing_values():
 def _compare(workdir, data_dir, ood, results_md):
   cmd = [sys.executable, os.path.join(ROOT, "scripts", "compare.py"), f"--workdir={workdir}",
          f"--config.data.dir={data_dir}", *SMALL, "--config.eval.num_examples=6",
-         "--config.eval.every=2", "--methods=grpo,pbsd", "--seeds=2", "--samples=2",
+         "--config.eval.every=2", "--methods=grpo,pbsd", "--seeds=2", "--samples=2", "--batch_size=12",
          f"--ood={ood}", f"--results={results_md}"]
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
   proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)

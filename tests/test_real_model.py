@@ -209,7 +209,8 @@ def test_train_kill_resume_and_evaluate_a_converted_model_through_the_server(wor
 
   out = _run([os.path.join("scripts", "evaluate.py"), "--config=configs/search_r1.py",
               f"--ckpt_dir={workdir}/ckpt_rl", f"--splits={world['questions']}",
-              "--samples=2", "--num_examples=8", f"--config.model.init_dir={world['ckpt']}",
+              "--samples=2", "--num_examples=8", "--batch_size=16",
+              f"--config.model.init_dir={world['ckpt']}",
               f"--config.data.train_files={world['questions']}",
               f"--config.env.url={world['url']}", *SMALL])
   with open(os.path.join(workdir, "eval_ckpt_rl_step3.json")) as f:
