@@ -30,6 +30,21 @@ PARAMS_DIR = "params"  # convert_hf.py's layout
 STATE_ITEM = "state"  # checkpoint.Checkpointer's item holding the TrainState
 
 
+# Where a model directory keeps its tokenizer: `scripts/convert_hf.py` copies the HF files to
+# `hf_assets/`, a train run copies them to `<workdir>/tokenizer/` (beside its `ckpt_*`).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+_TOKENIZER_DIRS = ("hf_assets", ".", "../tokenizer")
+
+
+def tokenizer_dir(model_dir: str) -> str | None:
+  """The directory holding a model directory's tokenizer, or None when it has none."""
+  for sub in _TOKENIZER_DIRS:
+    candidate = os.path.normpath(os.path.join(model_dir, sub))
+    if any(os.path.isfile(os.path.join(candidate, f)) for f in TOKENIZER_FILES):
+      return candidate
+  return None
+
+
 def finished_steps(directory: str) -> list[int]:
   """Ascending steps of a `Checkpointer` directory (integer-named subdirectories)."""
   if not os.path.isdir(directory):

@@ -101,8 +101,9 @@ def build_algorithm(config) -> algorithms.GRPO:
 def build_model_config(config, vocab_size: int | None = None) -> ModelConfig:
   """The `ModelConfig` of `config.model.name` (the vocabulary's size for the embedded task),
   or the `model_config.json` of `config.model.init_dir` when the run starts from a checkpoint
-  (e.g. `scripts/convert_hf.py` output), whose embedding must hold every id of the vocabulary
-  (it may have more rows: HF checkpoints pad it)."""
+  (e.g. `scripts/convert_hf.py` output), whose embedding must hold every id of its own
+  tokenizer (it may have more rows: HF checkpoints pad it), or be exactly the data vocabulary
+  when the directory has no tokenizer (a checkpoint of the embedded task's model)."""
   if config.model.init_dir:
     from pbsd_jax import policy_checkpoint
     model = policy_checkpoint.find_model_config(config.model.init_dir)
@@ -112,6 +113,11 @@ def build_model_config(config, vocab_size: int | None = None) -> ModelConfig:
       _fail("model.init_dir", config.model.init_dir,
             f"the model's embedding has {model.vocab_size} rows, fewer than the "
             f"{vocab_size} ids of its vocabulary")
+    if (vocab_size is not None and model.vocab_size != vocab_size
+        and policy_checkpoint.tokenizer_dir(config.model.init_dir) is None):
+      _fail("model.init_dir", config.model.init_dir,
+            f"holds no tokenizer, and the model's vocab_size={model.vocab_size} is not the "
+            f"data vocabulary's {vocab_size}")
     with naming_fields({"attention": "model.attention"}, "model"):
       return model.replace(attention=config.model.attention)
   name = config.model.name

@@ -20,7 +20,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from pbsd_jax import run_config
+from pbsd_jax import policy_checkpoint, run_config
 from pbsd_jax.batch import forced_batch, gold_batch, gold_text_batch, prompt_region
 from pbsd_jax.credit_quality import gold_doc_batch
 from pbsd_jax.env import protocol
@@ -130,7 +130,7 @@ def _model_vocabulary(config):
   directory holds no tokenizer (a checkpoint of the embedded task's model)."""
   from pbsd_jax import vocab as vocab_lib
   from pbsd_jax.models import chat_template
-  directory = config.model.init_dir and vocab_lib.tokenizer_dir(config.model.init_dir)
+  directory = config.model.init_dir and policy_checkpoint.tokenizer_dir(config.model.init_dir)
   if not directory:
     return None, None
   try:
@@ -152,14 +152,15 @@ def _model_vocabulary(config):
 
 def save_tokenizer(config, workdir: str) -> None:
   """Copies `config.model.init_dir`'s tokenizer files to `<workdir>/tokenizer/`, where
-  `vocab.tokenizer_dir` finds them for the run's own checkpoints (`<workdir>/ckpt_*`)."""
+  `policy_checkpoint.tokenizer_dir` finds them for the run's own checkpoints
+  (`<workdir>/ckpt_*`)."""
   from pbsd_jax import vocab as vocab_lib
-  source = config.model.init_dir and vocab_lib.tokenizer_dir(config.model.init_dir)
+  source = config.model.init_dir and policy_checkpoint.tokenizer_dir(config.model.init_dir)
   target = os.path.join(workdir, "tokenizer")
   if not source or os.path.abspath(source) == os.path.abspath(target):
     return
   os.makedirs(target, exist_ok=True)
-  for name in (*vocab_lib.TOKENIZER_FILES, *vocab_lib.TOKENIZER_CONFIG_FILES):
+  for name in (*policy_checkpoint.TOKENIZER_FILES, *vocab_lib.TOKENIZER_CONFIG_FILES):
     if os.path.isfile(os.path.join(source, name)):
       shutil.copy2(os.path.join(source, name), os.path.join(target, name))
 
@@ -283,7 +284,7 @@ def load_policy(config, ckpt_dir: str, step: int | None, workdir: str, mesh: Any
   `model_config.json` when there is one, else `config.model`. With a `mesh`, the params are
   read straight into their shardings on it (after `run_config.check_param_sharding`).
   """
-  from pbsd_jax import policy_checkpoint, sharding
+  from pbsd_jax import sharding
   policy_checkpoint.params_path(ckpt_dir, step)
   task = prepare_task(config, workdir)
   model = (policy_checkpoint.find_model_config(ckpt_dir)

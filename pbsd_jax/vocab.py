@@ -88,21 +88,8 @@ def load_vocabulary(path: str) -> seqio.Vocabulary:
   raise ValueError(f"unknown vocabulary file type (want .model or .json): {path}")
 
 
-# Where a model directory keeps its tokenizer: `scripts/convert_hf.py` copies the HF files to
-# `hf_assets/`, a train run copies them to `<workdir>/tokenizer/` (beside its `ckpt_*`).
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
 TOKENIZER_CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json",
                           "chat_template.jinja", "generation_config.json")
-_TOKENIZER_DIRS = ("hf_assets", ".", "../tokenizer")
-
-
-def tokenizer_dir(model_dir: str) -> str | None:
-  """The directory holding a model directory's tokenizer, or None when it has none."""
-  for sub in _TOKENIZER_DIRS:
-    candidate = os.path.normpath(os.path.join(model_dir, sub))
-    if any(os.path.isfile(os.path.join(candidate, f)) for f in TOKENIZER_FILES):
-      return candidate
-  return None
 
 
 def model_vocabulary(directory: str) -> seqio.Vocabulary:

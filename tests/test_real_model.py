@@ -353,10 +353,17 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused(world, tmp_path):
   small = tmp_path / "small"
   small.mkdir()
   policy_checkpoint.save_model_config(str(small), model.replace(vocab_size=100))
-  vocab = vocab_lib.model_vocabulary(vocab_lib.tokenizer_dir(world["ckpt"]))
+  vocab = vocab_lib.model_vocabulary(policy_checkpoint.tokenizer_dir(world["ckpt"]))
   with pytest.raises(run_config.ConfigError, match="embedding has 100 rows, fewer than the"):
     run_config.build_model_config(_config(world, f"--config.model.init_dir={small}"),
                                   vocab.vocab_size)
+  # Without a tokenizer of its own, a model must have exactly the data vocabulary's ids.
+  policy_checkpoint.save_model_config(str(small), model.replace(vocab_size=vocab.vocab_size + 8))
+  with pytest.raises(run_config.ConfigError, match="holds no tokenizer, and the model's"):
+    run_config.build_model_config(_config(world, f"--config.model.init_dir={small}"),
+                                  vocab.vocab_size)
+  assert run_config.build_model_config(
+      _config(world), vocab.vocab_size).vocab_size == vocab.vocab_size + 12
 
 
 def _bad_parquet(tmp_path):
@@ -381,8 +388,8 @@ def _without_template(world, tmp_path):
 def test_the_model_vocabulary_reads_the_generation_config_and_sentencepiece_files(world, kg,
                                                                                  tmp_path):
   import shutil
-  from pbsd_jax import vocab as vocab_lib
-  assets = vocab_lib.tokenizer_dir(world["ckpt"])
+  from pbsd_jax import policy_checkpoint, vocab as vocab_lib
+  assets = policy_checkpoint.tokenizer_dir(world["ckpt"])
   # The tokenizer config names <|endoftext|>, the generation config lists <|im_end|> only: an
   # instruct model ends its turn with the latter.
   other = tmp_path / "other"
@@ -398,7 +405,7 @@ def test_the_model_vocabulary_reads_the_generation_config_and_sentencepiece_file
   spm = tmp_path / "spm"
   spm.mkdir()
   shutil.copy(kg.paths["spm_model"], spm / "tokenizer.model")
-  assert vocab_lib.tokenizer_dir(str(spm)) == str(spm)
+  assert policy_checkpoint.tokenizer_dir(str(spm)) == str(spm)
   vocab = vocab_lib.model_vocabulary(str(spm))
   assert vocab.encode("Question: who?") == kg.vocab.encode("Question: who?")
 

@@ -255,7 +255,8 @@ class Attention(nn.Module):
     def attend_one(q):
       """One query per row (a decode step), over the filled slots only.
 
-      The keys are read in blocks of `DECODE_BLOCK` slots up to the highest slot any row
+      The keys are read in equal blocks of at most `DECODE_BLOCK` slots that tile the buffer
+      (the last may overlap its neighbour by a few slots), up to the highest slot any row
       attends to (a traced trip count), with an online softmax across blocks
       (flash-decoding), so a step's cost follows the filled prefix, not the buffer. Within a
       block, attention is multiply-and-reduce: as a batched dot XLA:CPU runs B x kv_heads
@@ -265,7 +266,7 @@ class Attention(nn.Module):
       f32 = jnp.float32
       all_keys, all_values, layer = stacked  # read straight from the all-layer arrays: a
       size = keys.shape[2]                   # layer's keys are never copied out whole
-      block = min(DECODE_BLOCK, size)
+      block = -(-size // -(-size // DECODE_BLOCK))  # at most DECODE_BLOCK, tiling the buffer
       read = lambda x, start: jax.lax.dynamic_slice(
           x, (layer, 0, 0, start, 0), (1, *x.shape[1:3], block, x.shape[4]))[0].astype(f32)
       query = q[:, 0, :, :, None, :].astype(f32) / jnp.sqrt(f32(hd))  # [B, kvh, g, 1, hd]
