@@ -102,6 +102,16 @@ def gold_text_batch(golden_answers: Sequence[Sequence[str]], width: int,
   return gold_batch(encoded, lambda text: list(text), width, num)
 
 
+def reward_gold(golden_answers: Sequence[Sequence[str]], encode: Encode, width: int,
+                num: int | None = None, *, text_tags: bool = False) -> np.ndarray:
+  """The gold of the in-graph reward: the answers' token ids (`gold_batch`, `width` tokens),
+  or where the protocol tags are several tokens their normalised bytes, 8 per token of
+  `width` (`gold_text_batch`)."""
+  if text_tags:
+    return gold_text_batch(golden_answers, 8 * width, num)
+  return gold_batch(golden_answers, encode, width, num)
+
+
 def forced_batch(action_lists: Sequence[Sequence[str]], encode: Encode, max_turns: int,
                  width: int) -> tuple[np.ndarray, np.ndarray]:
   """Actions to force, `i32[max_turns, B, width]` with lengths `i32[max_turns, B]`.

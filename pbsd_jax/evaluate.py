@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pbsd_jax import credit_quality
-from pbsd_jax.batch import gold_batch, gold_text_batch, prompt_region
+from pbsd_jax.batch import prompt_region, reward_gold
 from pbsd_jax.credit_quality import gold_doc_batch
 from pbsd_jax.evidence import policy_batch
 from pbsd_jax.env import protocol
@@ -209,9 +209,8 @@ def evaluate(sampler: Sampler, env: AgentEnv, params: Any, records: Sequence[Map
   region = prompt_region([r["question"] for r in records], encode, prompt_width, template,
                          answers=([r["golden_answers"][0] for r in records] if with_credit
                                   else None), chat=chat)
-  golden = [r["golden_answers"] for r in records]
-  gold = (gold_batch(golden, encode, gold_width) if text is None
-          else gold_text_batch(golden, 8 * gold_width))
+  gold = reward_gold([r["golden_answers"] for r in records], encode, gold_width,
+                     text_tags=text is not None)
   gold_docs = (gold_doc_batch(records, max(r["hops"] for r in records)) if with_credit
                else None)
   rows = np.repeat(np.arange(len(records)), samples_per_question)

@@ -33,6 +33,9 @@ STATE_ITEM = "state"  # checkpoint.Checkpointer's item holding the TrainState
 # Where a model directory keeps its tokenizer: `scripts/convert_hf.py` copies the HF files to
 # `hf_assets/`, a train run copies them to `<workdir>/tokenizer/` (beside its `ckpt_*`).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model")
+# What a run copies with them: special tokens, the chat template, the EOS ids.
+TOKENIZER_CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json",
+                          "chat_template.jinja", "generation_config.json")
 _TOKENIZER_DIRS = ("hf_assets", ".", "../tokenizer")
 
 

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 
 from pbsd_jax import policy_checkpoint, run_config
-from pbsd_jax.batch import forced_batch, gold_batch, gold_text_batch, prompt_region
+from pbsd_jax.batch import forced_batch, prompt_region, reward_gold
 from pbsd_jax.credit_quality import gold_doc_batch
 from pbsd_jax.env import protocol
 from pbsd_jax.env.agent_env import AgentEnv
@@ -69,12 +69,9 @@ class Task:
 
   def gold(self, golden_answers: list[list[str]], width: int, num: int | None = None
            ) -> np.ndarray:
-    """The gold of the in-graph reward: answers' token ids (`batch.gold_batch`), or where the
-    tags are several tokens their normalised bytes, 8 per token of `width`
-    (`batch.gold_text_batch`)."""
-    if self.text is not None:
-      return gold_text_batch(golden_answers, 8 * width, num)
-    return gold_batch(golden_answers, self.encode, width, num)
+    """The gold of the in-graph reward for this vocabulary (`batch.reward_gold`)."""
+    return reward_gold(golden_answers, self.encode, width, num,
+                       text_tags=self.text is not None)
 
   @property
   def rollout_args(self) -> dict:
@@ -154,13 +151,12 @@ def save_tokenizer(config, workdir: str) -> None:
   """Copies `config.model.init_dir`'s tokenizer files to `<workdir>/tokenizer/`, where
   `policy_checkpoint.tokenizer_dir` finds them for the run's own checkpoints
   (`<workdir>/ckpt_*`)."""
-  from pbsd_jax import vocab as vocab_lib
   source = config.model.init_dir and policy_checkpoint.tokenizer_dir(config.model.init_dir)
   target = os.path.join(workdir, "tokenizer")
   if not source or os.path.abspath(source) == os.path.abspath(target):
     return
   os.makedirs(target, exist_ok=True)
-  for name in (*policy_checkpoint.TOKENIZER_FILES, *vocab_lib.TOKENIZER_CONFIG_FILES):
+  for name in (*policy_checkpoint.TOKENIZER_FILES, *policy_checkpoint.TOKENIZER_CONFIG_FILES):
     if os.path.isfile(os.path.join(source, name)):
       shutil.copy2(os.path.join(source, name), os.path.join(target, name))
 

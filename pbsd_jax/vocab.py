@@ -88,8 +88,6 @@ def load_vocabulary(path: str) -> seqio.Vocabulary:
   raise ValueError(f"unknown vocabulary file type (want .model or .json): {path}")
 
 
-TOKENIZER_CONFIG_FILES = ("tokenizer_config.json", "special_tokens_map.json",
-                          "chat_template.jinja", "generation_config.json")
 
 
 def model_vocabulary(directory: str) -> seqio.Vocabulary:
