@@ -31,7 +31,11 @@ setuptools.setup(
         "safetensors>=0.8",  # HF checkpoints (pbsd_jax.models.safetensors_io; bf16 checked on 0.8)
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-xdist>=3", "hypothesis>=6"],
+        # pytest 9 ignores the node ids pytest-xdist 3.8 tags with their group, so
+        # `xdist_group` tests (tests/conftest.py) would be spread over workers.
+        "test": ["pytest>=8,<9", "pytest-xdist>=3", "hypothesis>=6",
+                 # colabs/ executed in a real kernel (tests/test_colabs.py)
+                 "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29"],
         # torch is pinned: 2.13.0 is a local CPU wheel on our machines; an open range
         # would pull a multi-GB CUDA build.
         "hf": ["torch==2.13.0", "transformers>=4.51", "jinja2>=3.1.6"],
