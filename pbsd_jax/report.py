@@ -129,7 +129,7 @@ class TrajectoryCredit:
   teacher_prompt: np.ndarray | None = None
 
 
-def _segments(tokens: np.ndarray, turn_ids: np.ndarray, action: np.ndarray, start: int,
+def segments(tokens: np.ndarray, turn_ids: np.ndarray, action: np.ndarray, start: int,
               end: int) -> tuple[tuple[int, np.ndarray], ...]:
   """Maximal runs of `[start, end)` with one label: the turn id on actions, -1 elsewhere."""
   labels = np.where(action[start:end], turn_ids[start:end], -1)
@@ -203,7 +203,7 @@ def credit_view(rollout: Rollout, logp: jax.Array, algo: algorithms.GRPO, max_tu
                        np.asarray(teacher_prompt[b])[np.asarray(teacher_prompt_mask[b])])
   return [TrajectoryCredit(
       prompt=host["tokens"][b, p - int(host["prompt_length"][b]):p],
-      segments=_segments(host["tokens"][b], host["turn_ids"][b], host["action"][b], p,
+      segments=segments(host["tokens"][b], host["turn_ids"][b], host["action"][b], p,
                          int(host["length"][b])),
       evidence=np.asarray(host["evidence"][b]), filtered=np.asarray(host["filtered"][b]),
       weights=np.asarray(host["weights"][b]), reward=float(host["reward"][b]),
@@ -223,7 +223,7 @@ body { font-family: sans-serif; margin: 2em; max-width: 70em; }
 """
 
 
-def _colour(value: float, scale: float) -> str:
+def colour(value: float, scale: float) -> str:
   """Diverging background: blue for positive evidence, red for negative, alpha by size."""
   alpha = 0.0 if scale <= 0 else min(abs(value) / scale, 1.0) * 0.6
   rgb = "40, 100, 220" if value > 0 else "220, 50, 40"
@@ -232,7 +232,17 @@ def _colour(value: float, scale: float) -> str:
 
 def credit_html(trajectories: Sequence[TrajectoryCredit], decode: Callable[[Sequence[int]], str],
                 path: str, title: str = "PBSD turn-level credit") -> str:
-  """Writes the credit page for `trajectories` to `path` and returns `path`.
+  """Writes `credit_page(trajectories, decode, title)` to `path` (its directory is created if
+  missing) and returns `path`."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(credit_page(trajectories, decode, title))
+  return path
+
+
+def credit_page(trajectories: Sequence[TrajectoryCredit], decode: Callable[[Sequence[int]], str],
+                title: str = "PBSD turn-level credit") -> str:
+  """The credit page of `trajectories` as one HTML document.
 
   Each action turn is shaded by its evidence `s` (colour scale: the largest |s| shown) and
   followed by a note `turn k: s=..., w=...` (`s~=0` marks a deadbanded turn) with its
@@ -243,7 +253,6 @@ def credit_html(trajectories: Sequence[TrajectoryCredit], decode: Callable[[Sequ
   Args:
     trajectories: from `credit_view`.
     decode: token ids -> text.
-    path: the HTML file to write (its directory is created if missing).
     title: the page title.
   """
   shown = [abs(float(t.evidence[k])) for t in trajectories
@@ -255,8 +264,8 @@ def credit_html(trajectories: Sequence[TrajectoryCredit], decode: Callable[[Sequ
            "<p class='legend'>Action turns are shaded by their evidence <i>s</i>, the "
            "teacher-minus-student log-likelihood of the turn's tokens (reduced over the turn "
            "as in training): "
-           f"<span style='background:{_colour(1, 1)}'>teacher higher</span>"
-           f"<span style='background:{_colour(-1, 1)}'>teacher lower</span>"
+           f"<span style='background:{colour(1, 1)}'>teacher higher</span>"
+           f"<span style='background:{colour(-1, 1)}'>teacher lower</span>"
            f"(full colour at |s| = {scale:.4g}); <i>w</i> is the weight on the outcome "
            "advantage. Prompt and observations are grey.</p>"]
   shown_teacher = None
@@ -278,13 +287,10 @@ def credit_html(trajectories: Sequence[TrajectoryCredit], decode: Callable[[Sequ
       band = " (s~=0)" if s_kept == 0.0 else ""
       label = traj.labels[turn] if turn < len(traj.labels) else ""
       label = f", {label}" if label else ""
-      parts.append(f"<span class='turn' style='background:{_colour(s, scale)}' "
+      parts.append(f"<span class='turn' style='background:{colour(s, scale)}' "
                    f"title='turn {turn}: s={s:+.5f}, w={w:.4f}'>{esc(ids)}</span>"
                    f"<span class='note'>turn {turn}: s={s:+.4f}{band}, w={w:.4f}{label}"
                    "</span>")
     parts.append("</div></div>")
   parts.append("</body></html>\n")
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "w", encoding="utf-8") as f:
-    f.write("".join(parts))
-  return path
+  return "".join(parts)

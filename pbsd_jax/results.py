@@ -10,7 +10,9 @@ per-step curves.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -59,6 +61,41 @@ def smooth(values: Sequence[float], window: int) -> np.ndarray:
     part = part[~np.isnan(part)]
     out[i] = part.mean() if part.size else np.nan
   return out
+
+
+def _read_json(path: str):
+  if not os.path.isfile(path):
+    return None
+  with open(path) as f:
+    return json.load(f)
+
+
+RUN_DIR = re.compile(r"^(?P<method>[a-z0-9_]+)_seed(?P<seed>[0-9]+)$")
+
+
+def load_runs(workdir: str) -> tuple[dict, dict]:
+  """What a `scripts/compare.py` workdir holds: `(evals, metrics)`, with `evals[(method,
+  seed)]` each finished run's `final_eval.json` (and `("sft", 0)`: the shared checkpoint's,
+  when evaluated) and `metrics[(method, seed)]` the path of each run's `metrics.jsonl`. A run
+  still training has metrics and no evaluation.
+
+  Raises:
+    FileNotFoundError: `workdir` holds no `<method>_seed<s>` run.
+  """
+  evals, metrics = {}, {}
+  if (sft := _read_json(os.path.join(workdir, "final_eval.json"))) is not None:
+    evals[("sft", 0)] = sft
+  for name in sorted(os.listdir(workdir)) if os.path.isdir(workdir) else []:
+    match, run = RUN_DIR.match(name), os.path.join(workdir, name)
+    if match and os.path.isfile(os.path.join(run, "metrics.jsonl")):
+      key = (match["method"], int(match["seed"]))
+      metrics[key] = os.path.join(run, "metrics.jsonl")
+      if (result := _read_json(os.path.join(run, "final_eval.json"))) is not None:
+        evals[key] = result
+  if not metrics:
+    raise FileNotFoundError(f"{workdir}: no <method>_seed<s> run directory with a "
+                            "metrics.jsonl (scripts/compare.py writes them)")
+  return evals, metrics
 
 
 def metric_series(metrics_path: str, stage: str, key: str) -> tuple[np.ndarray, np.ndarray]:

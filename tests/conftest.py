@@ -61,9 +61,13 @@ def opsd_run(kg, tmp_path_factory):
 
 def pytest_configure(config):
   """Under xdist, tests marked `xdist_group(NAME)` run on one worker (sharing the module
-  fixtures they would otherwise each build): `-n 2` means `--dist loadgroup`."""
+  fixtures they would otherwise each build): `-n 2` means `--dist loadgroup`. The controller
+  schedules by group; each worker must also tag the grouped tests' ids with their group,
+  which xdist does only when `--dist loadgroup` was on the command line."""
   if getattr(config.option, "dist", "no") == "load":
     config.option.dist = "loadgroup"
+  if hasattr(config, "workerinput"):
+    config.option.loadgroup = True
 
 
 COUNTS = ("faults_injected", "runs_resumed", "bytes_compared")

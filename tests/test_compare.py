@@ -10,7 +10,11 @@ import numpy as np
 import pytest
 
 from pbsd_jax import results
+from test_colabs import execute_notebook
 from test_train import ROOT, SMALL
+
+# The compare run is made once, for both tests (conftest: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("compare")
 
 
 def test_mean_sd_is_the_sample_spread():
@@ -42,7 +46,8 @@ def test_smooth_and_means_skip_missing_values():
 def _compare(workdir, data_dir, ood, results_md):
   cmd = [sys.executable, os.path.join(ROOT, "scripts", "compare.py"), f"--workdir={workdir}",
          f"--config.data.dir={data_dir}", *SMALL, "--config.eval.num_examples=6",
-         "--config.eval.every=2", "--methods=grpo,pbsd", "--seeds=2", "--samples=2", "--batch_size=12",
+         "--config.eval.every=2", "--methods=grpo,pbsd", "--seeds=2", "--samples=2",
+         "--batch_size=12",
          f"--ood={ood}", f"--results={results_md}"]
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
   proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
@@ -50,14 +55,23 @@ def _compare(workdir, data_dir, ood, results_md):
   return proc.stdout
 
 
-def test_compare_trains_every_method_and_seed_from_one_sft_and_tabulates_them(kg, tmp_path):
+@pytest.fixture(scope="module")
+def comparison(kg, tmp_path_factory):
+  """One finished compare.py run (GRPO and PBSD x 2 seeds, with OOD tiers): `(workdir,
+  results page, ood file, data dir, stdout)`; treat it as read-only."""
+  root = tmp_path_factory.mktemp("comparison")
   ood = [r for t in ("easy", "medium", "hard") for r in
          [x for x in kg.records("ood") if x["tier"] == t][:2]]
-  ood_path = tmp_path / "ood.jsonl"
+  ood_path = root / "ood.jsonl"
   ood_path.write_text("".join(json.dumps(r) + "\n" for r in ood))
-  workdir, page = str(tmp_path / "compare"), str(tmp_path / "docs" / "results.md")
+  workdir, page = str(root / "compare"), str(root / "docs" / "results.md")
   data_dir = os.path.dirname(kg.paths["spm_model"])
-  out = _compare(workdir, data_dir, ood_path, page)
+  return workdir, page, ood_path, data_dir, _compare(workdir, data_dir, ood_path, page)
+
+
+def test_compare_trains_every_method_and_seed_from_one_sft_and_tabulates_them(comparison,
+                                                                               tmp_path):
+  workdir, page, ood_path, data_dir, out = comparison
   runs = [f"{m}_seed{s}" for m in ("grpo", "pbsd") for s in (0, 1)]
   assert sorted(d for d in os.listdir(workdir) if "_seed" in d) == sorted(runs)
   evals = {}
@@ -76,6 +90,13 @@ def test_compare_trains_every_method_and_seed_from_one_sft_and_tabulates_them(kg
                                                                      "metrics.jsonl")))
                        if r["stage"] == "rl"][0]["mean_action_tokens"]
   assert first("grpo_seed0") != first("grpo_seed1")
+  # The notebooks read a compare workdir back the same way.
+  loaded, metrics = results.load_runs(workdir)
+  assert sorted(metrics) == sorted((m, s) for m in ("grpo", "pbsd") for s in (0, 1))
+  assert sorted(loaded) == sorted([("sft", 0), *metrics])
+  assert all(loaded[(m, s)] == evals[f"{m}_seed{s}"] for m, s in metrics)
+  with pytest.raises(FileNotFoundError, match="no <method>_seed<s> run"):
+    results.load_runs(str(tmp_path / "docs"))
   text = open(page).read()
   for method in ("grpo", "pbsd"):
     acc = [100 * evals[f"{method}_seed{s}"]["validation"]["greedy"]["accuracy"] for s in (0, 1)]
@@ -87,6 +108,26 @@ def test_compare_trains_every_method_and_seed_from_one_sft_and_tabulates_them(kg
   # A second invocation trains and evaluates nothing again.
   stamps = {run: os.path.getmtime(os.path.join(workdir, run, "final_eval.json"))
             for run in runs}
-  _compare(workdir, data_dir, ood_path, page)
+  _compare(workdir, data_dir, ood_path, str(tmp_path / "again.md"))
   assert stamps == {run: os.path.getmtime(os.path.join(workdir, run, "final_eval.json"))
                     for run in runs}
+
+
+def test_the_results_notebook_draws_a_compare_workdir(comparison, tmp_path):
+  workdir = comparison[0]
+  nb, got = execute_notebook(
+      "results", f"RUNS_DIR = {workdir!r}; WORKDIR = {str(tmp_path)!r}",
+      "dict(methods=methods, seeds=seeds, rows=rows, curve=curve('pbsd', 'eval', "
+      "'accuracy')[0].tolist())")
+  assert (got["methods"], got["seeds"]) == (["grpo", "pbsd"], [0, 1])
+  evals, _ = results.load_runs(workdir)
+  for name, runs, greedy, _ in got["rows"]:
+    acc = [100 * e["validation"]["greedy"]["accuracy"] for (m, _), e in evals.items()
+           if m == name.lower()]
+    assert (int(runs), greedy) == (len(acc), f"{np.mean(acc):.1f} ± "
+                                   f"{np.std(acc, ddof=1) if len(acc) > 1 else 0:.1f}")
+  assert [r[0] for r in got["rows"]] == ["SFT", "GRPO", "PBSD"]
+  assert got["curve"] == [0, 2, 3]  # eval.every=2 over 3 steps: the start, 2 and the end
+  images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
+            if "image/png" in o.get("data", {})]
+  assert len(images) == 3
