@@ -19,10 +19,10 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -n 2 tests
 
-# GRPO, PBSD, OPSD, RLSD and GEAR x 3 seeds from one SFT checkpoint -> docs/results.md
-# (hours on 2 CPU cores; resumable: re-run to continue).
+# GRPO, PBSD, OPSD, RLSD and GEAR, and PBSD's ablations, x 3 seeds from one SFT checkpoint
+# -> docs/results.md (hours on 2 CPU cores; resumable: re-run to continue).
 compare: $(STAMP)
-	$(VENV)/bin/python scripts/compare.py --workdir workdir/compare
+	$(VENV)/bin/python scripts/compare.py --workdir workdir/compare --ablations all
 
 # Side-by-side benchmarks (docs/benchmarks.md); the peers need their own venv first.
 bench-peers-venv:

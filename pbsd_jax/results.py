@@ -70,14 +70,14 @@ def _read_json(path: str):
     return json.load(f)
 
 
-RUN_DIR = re.compile(r"^(?P<method>[a-z0-9_]+)_seed(?P<seed>[0-9]+)$")
+RUN_DIR = re.compile(r"^(?P<method>[a-z0-9_.-]+)_seed(?P<seed>[0-9]+)$")
 
 
 def load_runs(workdir: str) -> tuple[dict, dict]:
   """What a `scripts/compare.py` workdir holds: `(evals, metrics)`, with `evals[(method,
   seed)]` each finished run's `final_eval.json` (and `("sft", 0)`: the shared checkpoint's,
-  when evaluated) and `metrics[(method, seed)]` the path of each run's `metrics.jsonl`. A run
-  still training has metrics and no evaluation.
+  when evaluated) and `metrics[(method, seed)]` the path of each run's `metrics.jsonl`, both
+  in the order of their keys. A run still training has metrics and no evaluation.
 
   Raises:
     FileNotFoundError: `workdir` holds no `<method>_seed<s>` run.
@@ -95,7 +95,7 @@ def load_runs(workdir: str) -> tuple[dict, dict]:
   if not metrics:
     raise FileNotFoundError(f"{workdir}: no <method>_seed<s> run directory with a "
                             "metrics.jsonl (scripts/compare.py writes them)")
-  return evals, metrics
+  return dict(sorted(evals.items())), dict(sorted(metrics.items()))
 
 
 def metric_series(metrics_path: str, stage: str, key: str) -> tuple[np.ndarray, np.ndarray]:

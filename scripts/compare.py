@@ -1,7 +1,7 @@
 r"""Compare RL algorithms from one SFT checkpoint over seeds, and write the results page.
 
   python scripts/compare.py --workdir=workdir/compare --methods=grpo,pbsd,opsd,rlsd,gear \
-      --seeds=3 --samples=16 --ood=workdir/compare/ood_tiers.jsonl
+      --seeds=3 --samples=16 --ood=workdir/compare/ood_tiers.jsonl --ablations=all
 
 The SFT stage runs once (`<workdir>/ckpt_sft`); then every method x seed trains from it in its
 own directory (`<workdir>/<method>_seed<s>`: checkpoints, metrics, `final_eval.json`) with
@@ -13,7 +13,9 @@ tiers `scripts/stratify.py` writes). Everything resumes: re-running skips finish
 evaluations. `--results` (default `docs/results.md`) gets the tables and its PNGs go beside
 it: accuracy (mean and spread over seeds), the difference of each method from GRPO paired by
 seed with a bootstrap interval over questions, accuracy against step, the dynamics of PBSD
-and GRPO, pass@k, and the credit AUCs (`pbsd_jax.credit_quality`).
+and GRPO, pass@k, and the credit AUCs (`pbsd_jax.credit_quality`). `--ablations` adds the
+paper's Table 3 as PBSD variants (`ABLATIONS`: delta, the deadband, the turn reduction), each
+in its own `<variant>_seed<s>` runs, tabulated against PBSD.
 """
 
 import datetime
@@ -37,6 +39,18 @@ _OOD = flags.DEFINE_string("ood", "", "A question file with tiers (scripts/strat
 _RESULTS = flags.DEFINE_string("results", "docs/results.md", "The results page to write.")
 _FORCE_RESUME = flags.DEFINE_bool("force_resume", False, "As in scripts/train.py.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 64, "Evaluation rollout rows per call.")
+_ABLATIONS = flags.DEFINE_list("ablations", [], "PBSD variants (names of ABLATIONS, or 'all') "
+                               "to run for every seed beside the methods.")
+
+# The paper's Table 3 as PBSD variants: name -> (what changes, config overrides). The
+# deadband's third setting, thresholds that filter ~40% of turns, is the default here: the
+# paper's 0.001 / 0.003 zero 41% of the demo's turns (`credit/frac_deadband`, 3 seeds).
+ABLATIONS = {
+    "pbsd-delta0.1": ("delta 0.1 (the demo: 0.01)", {"pbsd.delta": 0.1}),
+    "pbsd-delta2": ("delta 2.0", {"pbsd.delta": 2.0}),
+    "pbsd-nodeadband": ("deadband off", {"pbsd.eps_pos": 0.0, "pbsd.eps_neg": 0.0}),
+    "pbsd-sum": ("turn reduction sum (the demo: mean)", {"pbsd.reduction": "sum"}),
+}
 
 
 def _write_json(path, value):
@@ -61,6 +75,12 @@ def main(argv):
   if "grpo" not in _METHODS.value:
     raise SystemExit("compare: --methods must include grpo (the baseline of the paired "
                      "differences)")
+  ablations = list(ABLATIONS) if _ABLATIONS.value == ["all"] else _ABLATIONS.value
+  if unknown := [a for a in ablations if a not in ABLATIONS]:
+    raise SystemExit(f"compare: --ablations: {unknown[0]!r} is none of {sorted(ABLATIONS)}")
+  if ablations and "pbsd" not in _METHODS.value:
+    raise SystemExit("compare: --ablations needs pbsd in --methods (the variants are paired "
+                     "with it)")
   run_config.validate_for_script(config)
   workdir_lib.claim_for_script(workdir, config, force=_FORCE_RESUME.value)
   task = task_lib.prepare_task(config, workdir)
@@ -99,10 +119,15 @@ def main(argv):
   base.algorithm = "pbsd"  # the SFT checkpoint is scored with PBSD's evidence
   evals = {("sft", 0): final_eval(workdir, base, sft.params)}
   runs = {}
-  for method in _METHODS.value:
+  variants = [(m, m, {}) for m in _METHODS.value] + [
+      (name, "pbsd", ABLATIONS[name][1]) for name in ablations]
+  for method, algorithm, overrides in variants:
     for seed in range(_SEEDS.value):
       settings = config.copy_and_resolve_references()
-      settings.algorithm, settings.seed = method, seed
+      settings.algorithm, settings.seed = algorithm, seed
+      for field, value in overrides.items():
+        section, name = field.split(".")
+        settings[section][name] = value
       run_config.validate_for_script(settings)
       run_dir = os.path.join(workdir, f"{method}_seed{seed}")
       workdir_lib.claim_for_script(run_dir, settings, force=_FORCE_RESUME.value)
@@ -115,12 +140,13 @@ def main(argv):
       print(f"compare: {method} seed {seed}: greedy validation "
             f"{evals[(method, seed)]['validation']['greedy']['accuracy']:.1%}", flush=True)
   page = write_results(_RESULTS.value, evals, runs, _METHODS.value, config,
-                       minutes=(time.time() - start) / 60)
+                       minutes=(time.time() - start) / 60, ablations=ablations)
   print(f"compare: wrote {page}")
 
 
-def write_results(path, evals, runs, methods, config, minutes):
-  """The results page from the runs' evaluations and metrics (module docstring)."""
+def write_results(path, evals, runs, methods, config, minutes, ablations=()):
+  """The results page from the runs' evaluations and metrics (module docstring); the
+  `ablations` (names of ABLATIONS) get a table of their own, paired with PBSD."""
   import jax
   import numpy as np
 
@@ -154,17 +180,13 @@ def write_results(path, evals, runs, methods, config, minutes):
   def scores(method, split, setting):
     return np.stack([np.asarray(evals[(method, s)][split][setting]["solve_counts"]) /
                      evals[(method, s)][split][setting]["samples_per_question"] for s in seeds])
-  diffs = []
-  for method in methods:
-    if method == "grpo":
-      continue
-    row = [f"{method.upper()} - GRPO"]
-    for split in splits:
-      for setting in ("greedy", "top_p"):
-        d, lo, hi = results.paired_bootstrap(scores("grpo", split, setting),
-                                             scores(method, split, setting))
-        row.append(f"{100 * d:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]")
-    diffs.append(row)
+  def difference(base, method, split, setting):
+    d, lo, hi = results.paired_bootstrap(scores(base, split, setting),
+                                         scores(method, split, setting))
+    return f"{100 * d:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+  diffs = [[f"{method.upper()} - GRPO"] + [
+      difference("grpo", method, split, setting) for split in splits
+      for setting in ("greedy", "top_p")] for method in methods if method != "grpo"]
   diff_header = ["difference"] + [f"{split} {setting}" for split in splits
                                   for setting in ("greedy", "top-p")]
 
@@ -210,6 +232,19 @@ def write_results(path, evals, runs, methods, config, minutes):
       eval_credit.append([method.upper()] + [
           f"{float(results.nanmean([g[k] for g in got])):.3f}" for k in keys])
 
+  # Table 3: PBSD's variants, each paired with PBSD by seed.
+  mean_metric = lambda method, key: results.nanmean([results.nanmean(
+      results.metric_series(runs[(method, s)], "rl", key)[1]) for s in seeds])
+  ablation_rows = [[name, ABLATIONS[name][0] if name in ABLATIONS else "as configured"] + [
+      cell([r["validation"][setting]["accuracy"] for r in rows_of(name)])
+      for setting in ("greedy", "top_p")] + [
+      difference("pbsd", name, "validation", setting) if name in ABLATIONS else "-"
+      for setting in ("greedy", "top_p")] + [
+      f"{mean_metric(name, key):.3f}" for key in ("credit/frac_deadband",
+                                                  "credit/mean_abs_evidence",
+                                                  "credit/auc_weight")]
+      for name in ["pbsd", *ablations] if ablations]
+
   device = jax.devices()[0]
   lines = [
       "# Results: PBSD and the baselines from one SFT checkpoint", "",
@@ -237,6 +272,14 @@ def write_results(path, evals, runs, methods, config, minutes):
       "`auc_evidence` by the turn evidence `s`.", "",
       results.markdown_table(["method"] + [k.split("/")[1] for k in credit_keys],
                              credit_rows), ""]
+  if ablation_rows:
+    lines += ["## Ablations (the paper's Table 3; PBSD variants, mean ± sd over seeds, "
+              "difference from PBSD paired by seed with a 95% bootstrap interval over "
+              "questions; credit columns: means over the RL steps)", "",
+              results.markdown_table(
+                  ["variant", "change", "greedy val", "top-p val", "greedy - PBSD",
+                   "top-p - PBSD", "frac_deadband", "mean_abs_evidence", "auc_weight"],
+                  ablation_rows), ""]
   if eval_credit:
     lines += ["On validation (top-p rollouts, evidence of each checkpoint on its own "
               "trajectories):", "",

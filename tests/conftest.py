@@ -1,10 +1,19 @@
 """Test setup: 8 fake CPU devices (set before JAX is imported) so sharding tests are real."""
 
 import os
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+# XLA's compiled programs persist on disk, shared by the workers and every subprocess they
+# start (scripts, multi-process runs, notebook kernels): the many runs of one small config
+# compile each program once. A cached executable is the program compiled before, so results
+# are the same bits.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"pbsd_jax_tests_xla_cache_{os.getuid()}"))
+# A size limit makes JAX lock the cache (filelock) while a process reads or writes an entry.
+os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 
 import dataclasses  # noqa: E402
 import json  # noqa: E402

@@ -47,7 +47,7 @@ def _compare(workdir, data_dir, ood, results_md):
   cmd = [sys.executable, os.path.join(ROOT, "scripts", "compare.py"), f"--workdir={workdir}",
          f"--config.data.dir={data_dir}", *SMALL, "--config.eval.num_examples=6",
          "--config.eval.every=2", "--methods=grpo,pbsd", "--seeds=2", "--samples=2",
-         "--batch_size=12",
+         "--batch_size=12", "--ablations=pbsd-sum",
          f"--ood={ood}", f"--results={results_md}"]
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
   proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
@@ -57,8 +57,8 @@ def _compare(workdir, data_dir, ood, results_md):
 
 @pytest.fixture(scope="module")
 def comparison(kg, tmp_path_factory):
-  """One finished compare.py run (GRPO and PBSD x 2 seeds, with OOD tiers): `(workdir,
-  results page, ood file, data dir, stdout)`; treat it as read-only."""
+  """One finished compare.py run (GRPO, PBSD and the pbsd-sum ablation x 2 seeds, with OOD
+  tiers): `(workdir, results page, ood file, data dir, stdout)`; treat it as read-only."""
   root = tmp_path_factory.mktemp("comparison")
   ood = [r for t in ("easy", "medium", "hard") for r in
          [x for x in kg.records("ood") if x["tier"] == t][:2]]
@@ -72,7 +72,7 @@ def comparison(kg, tmp_path_factory):
 def test_compare_trains_every_method_and_seed_from_one_sft_and_tabulates_them(comparison,
                                                                                tmp_path):
   workdir, page, ood_path, data_dir, out = comparison
-  runs = [f"{m}_seed{s}" for m in ("grpo", "pbsd") for s in (0, 1)]
+  runs = [f"{m}_seed{s}" for m in ("grpo", "pbsd", "pbsd-sum") for s in (0, 1)]
   assert sorted(d for d in os.listdir(workdir) if "_seed" in d) == sorted(runs)
   evals = {}
   for run in runs:
@@ -92,7 +92,8 @@ def test_compare_trains_every_method_and_seed_from_one_sft_and_tabulates_them(co
   assert first("grpo_seed0") != first("grpo_seed1")
   # The notebooks read a compare workdir back the same way.
   loaded, metrics = results.load_runs(workdir)
-  assert sorted(metrics) == sorted((m, s) for m in ("grpo", "pbsd") for s in (0, 1))
+  assert sorted(metrics) == sorted((m, s) for m in ("grpo", "pbsd", "pbsd-sum")
+                                   for s in (0, 1))
   assert sorted(loaded) == sorted([("sft", 0), *metrics])
   assert all(loaded[(m, s)] == evals[f"{m}_seed{s}"] for m, s in metrics)
   with pytest.raises(FileNotFoundError, match="no <method>_seed<s> run"):
@@ -103,6 +104,13 @@ def test_compare_trains_every_method_and_seed_from_one_sft_and_tabulates_them(co
     want = f"| {method.upper()} | {np.mean(acc):.1f} ± {np.std(acc, ddof=1):.1f} |"
     assert want in text, want
   assert re.search(r"\| PBSD - GRPO \| [+-]\d+\.\d \[", text)
+  # The ablation ran PBSD with its own setting, and is tabulated against PBSD.
+  with open(os.path.join(workdir, "pbsd-sum_seed0", "run_config.json")) as f:
+    ablated = json.load(f)
+  assert (ablated["algorithm"], ablated["pbsd"]["reduction"]) == ("pbsd", "sum")
+  acc = [100 * evals[f"pbsd-sum_seed{s}"]["validation"]["greedy"]["accuracy"] for s in (0, 1)]
+  assert re.search(rf"\| pbsd-sum \| turn reduction sum [^|]*\| {np.mean(acc):.1f} ± "
+                   rf"{np.std(acc, ddof=1):.1f} \|", text)
   for png in ("results_accuracy_vs_step.png", "results_dynamics.png", "results_pass_at_k.png"):
     assert os.path.getsize(os.path.join(os.path.dirname(page), png)) > 0
   # A second invocation trains and evaluates nothing again.
@@ -119,14 +127,14 @@ def test_the_results_notebook_draws_a_compare_workdir(comparison, tmp_path):
       "results", f"RUNS_DIR = {workdir!r}; WORKDIR = {str(tmp_path)!r}",
       "dict(methods=methods, seeds=seeds, rows=rows, curve=curve('pbsd', 'eval', "
       "'accuracy')[0].tolist())")
-  assert (got["methods"], got["seeds"]) == (["grpo", "pbsd"], [0, 1])
+  assert (got["methods"], got["seeds"]) == (["grpo", "pbsd", "pbsd-sum"], [0, 1])
   evals, _ = results.load_runs(workdir)
   for name, runs, greedy, _ in got["rows"]:
     acc = [100 * e["validation"]["greedy"]["accuracy"] for (m, _), e in evals.items()
            if m == name.lower()]
     assert (int(runs), greedy) == (len(acc), f"{np.mean(acc):.1f} ± "
                                    f"{np.std(acc, ddof=1) if len(acc) > 1 else 0:.1f}")
-  assert [r[0] for r in got["rows"]] == ["SFT", "GRPO", "PBSD"]
+  assert [r[0] for r in got["rows"]] == ["SFT", "GRPO", "PBSD", "PBSD-SUM"]
   assert got["curve"] == [0, 2, 3]  # eval.every=2 over 3 steps: the start, 2 and the end
   images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
             if "image/png" in o.get("data", {})]

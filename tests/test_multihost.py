@@ -177,10 +177,14 @@ def test_a_mesh_that_does_not_fit_is_one_line_before_compiling(tmp_path, overrid
   assert not os.path.exists(tmp_path / "w")
 
 
+# A program compiled, or read from the persistent compilation cache (tests/conftest.py).
 _compiles = []
 jax.monitoring.register_event_duration_secs_listener(
     lambda event, duration, **kw: _compiles.append(event)
     if event == "/jax/core/compile/backend_compile_duration" else None)
+jax.monitoring.register_event_listener(
+    lambda event, **kw: _compiles.append(event)
+    if event == "/jax/compilation_cache/cache_hits" else None)
 
 
 def test_no_rl_step_after_the_first_compiles_again_on_the_mesh(kg):
