@@ -15,6 +15,13 @@ import os
 
 import numpy as np
 
+from pbsd_jax.jsonl import iter_jsonl
+
+
+def stage_rows(path: str, stage: str) -> list[dict]:
+  """The rows of `stage` in a metrics file, in the order they were written."""
+  return [row for _, row in iter_jsonl(path) if row.get("stage") == stage]
+
 
 def _kept(line: str, stage: str, step: int) -> bool:
   """Whether a metrics line stays: a row (not the partial line a killed write can leave)
@@ -49,6 +56,10 @@ class MetricLog:
     with open(tmp, "w") as f:
       f.writelines(keep)
     os.replace(tmp, self.path)
+
+  def rows(self, stage: str) -> list[dict]:
+    """`stage_rows` of this log."""
+    return stage_rows(self.path, stage)
 
   def write(self, stage: str, step: int, metrics: dict):
     if not self.writes:

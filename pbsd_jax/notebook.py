@@ -47,15 +47,11 @@ def load_config(name: str = "demo", overrides: Mapping[str, Any] | None = None):
   if not os.path.isfile(path):
     raise NotebookError(f"{path}: no such config file")
   config = cli.load_config_file(path)
-  for field, value in (overrides or {}).items():
-    message = cli.unknown_field_message(config, [f"--config.{field}=0"])
-    if message:
+  overrides = dict(overrides or {})
+  for field in overrides:
+    if message := cli.unknown_field_message(config, [f"--config.{field}=0"]):
       raise NotebookError(message)
-    *parents, leaf = field.split(".")
-    section = config
-    for part in parents:
-      section = section[part]
-    section[leaf] = value
+  config.update_from_flattened_dict(overrides)
   run_config.validate(config)
   return config
 

@@ -17,7 +17,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-from pbsd_jax.jsonl import iter_jsonl
+from pbsd_jax.metric_log import stage_rows
 
 
 def mean_sd(values: Sequence[float]) -> tuple[float, float]:
@@ -100,7 +100,7 @@ def load_runs(workdir: str) -> tuple[dict, dict]:
 
 def metric_series(metrics_path: str, stage: str, key: str) -> tuple[np.ndarray, np.ndarray]:
   """`(steps, values)` of `key` in the `stage` rows of a metrics file (NaN where absent)."""
-  rows = [row for _, row in iter_jsonl(metrics_path) if row.get("stage") == stage]
+  rows = stage_rows(metrics_path, stage)
   steps = np.asarray([r["step"] for r in rows], np.int64)
   values = np.asarray([float(r.get(key, np.nan)) for r in rows], np.float64)
   return steps, values

@@ -88,8 +88,6 @@ def load_vocabulary(path: str) -> seqio.Vocabulary:
   raise ValueError(f"unknown vocabulary file type (want .model or .json): {path}")
 
 
-
-
 def model_vocabulary(directory: str) -> seqio.Vocabulary:
   """A model's own tokenizer: `tokenizer.json` (Hugging Face `tokenizers`) or
   `tokenizer.model` (SentencePiece). The end-of-sequence token is the tokenizer config's

@@ -125,9 +125,7 @@ def main(argv):
     for seed in range(_SEEDS.value):
       settings = config.copy_and_resolve_references()
       settings.algorithm, settings.seed = algorithm, seed
-      for field, value in overrides.items():
-        section, name = field.split(".")
-        settings[section][name] = value
+      settings.update_from_flattened_dict(overrides)
       run_config.validate_for_script(settings)
       run_dir = os.path.join(workdir, f"{method}_seed{seed}")
       workdir_lib.claim_for_script(run_dir, settings, force=_FORCE_RESUME.value)
