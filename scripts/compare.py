@@ -32,7 +32,8 @@ _CONFIG = cli.define_config(
     os.path.join(os.path.dirname(__file__), "..", "configs", "demo.py"))
 _WORKDIR = flags.DEFINE_string("workdir", "workdir/compare", "The shared SFT and the runs.")
 _METHODS = flags.DEFINE_list("methods", ["grpo", "pbsd", "opsd", "rlsd", "gear"],
-                             "Algorithms to compare (GRPO first: the baseline).")
+                             "Algorithms to compare (GRPO, when given, is the baseline of the "
+                             "paired differences).")
 _SEEDS = flags.DEFINE_integer("seeds", 3, "Seeds per method (0 .. seeds-1).")
 _SAMPLES = flags.DEFINE_integer("samples", 16, "Top-p samples per question (pass@k up to it).")
 _OOD = flags.DEFINE_string("ood", "", "A question file with tiers (scripts/stratify.py).")
@@ -72,9 +73,6 @@ def main(argv):
 
   start = time.time()
   config, workdir = _CONFIG.value, _WORKDIR.value
-  if "grpo" not in _METHODS.value:
-    raise SystemExit("compare: --methods must include grpo (the baseline of the paired "
-                     "differences)")
   ablations = list(ABLATIONS) if _ABLATIONS.value == ["all"] else _ABLATIONS.value
   if unknown := [a for a in ablations if a not in ABLATIONS]:
     raise SystemExit(f"compare: --ablations: {unknown[0]!r} is none of {sorted(ABLATIONS)}")
@@ -121,8 +119,8 @@ def main(argv):
   runs = {}
   variants = [(m, m, {}) for m in _METHODS.value] + [
       (name, "pbsd", ABLATIONS[name][1]) for name in ablations]
-  for method, algorithm, overrides in variants:
-    for seed in range(_SEEDS.value):
+  for seed in range(_SEEDS.value):  # seed-major: an interrupted invocation has every variant
+    for method, algorithm, overrides in variants:
       settings = config.copy_and_resolve_references()
       settings.algorithm, settings.seed = algorithm, seed
       settings.update_from_flattened_dict(overrides)
@@ -184,7 +182,8 @@ def write_results(path, evals, runs, methods, config, minutes, ablations=()):
     return f"{100 * d:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
   diffs = [[f"{method.upper()} - GRPO"] + [
       difference("grpo", method, split, setting) for split in splits
-      for setting in ("greedy", "top_p")] for method in methods if method != "grpo"]
+      for setting in ("greedy", "top_p")] for method in methods
+      if "grpo" in methods and method != "grpo"]
   diff_header = ["difference"] + [f"{split} {setting}" for split in splits
                                   for setting in ("greedy", "top-p")]
 
@@ -258,8 +257,8 @@ def write_results(path, evals, runs, methods, config, minutes, ablations=()):
       "question.", "",
       "## Accuracy (%, mean ± sd over seeds; SFT: the shared checkpoint)", "",
       results.markdown_table(header, table), "",
-      "## Difference from GRPO (points; paired by seed, 95% bootstrap interval over questions)",
-      "", results.markdown_table(diff_header, diffs), "",
+      *(["## Difference from GRPO (points; paired by seed, 95% bootstrap interval over "
+         "questions)", "", results.markdown_table(diff_header, diffs), ""] if diffs else []),
       "## Accuracy against RL step", "", "![accuracy](results_accuracy_vs_step.png)", "",
       "## Dynamics, PBSD vs GRPO (raw: faint; moving average of 5 steps)", "",
       "![dynamics](results_dynamics.png)", "",
