@@ -20,9 +20,13 @@ test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q -n 2 tests
 
 # GRPO, PBSD, OPSD, RLSD and GEAR, and PBSD's ablations, x 3 seeds from one SFT checkpoint
-# -> docs/results.md (hours on 2 CPU cores; resumable: re-run to continue).
+# -> docs/results.md; PBSD with fresh vs replayed MoE routing on tiny-moe -> docs/results_moe.md
+# (hours on 2 CPU cores; resumable: re-run to continue).
 compare: $(STAMP)
 	$(VENV)/bin/python scripts/compare.py --workdir workdir/compare --ablations all
+	$(VENV)/bin/python scripts/compare.py --workdir workdir/compare_moe \
+	    --config.model.name=tiny-moe --methods pbsd --ablations all \
+	    --results docs/results_moe.md
 
 # Side-by-side benchmarks (docs/benchmarks.md); the peers need their own venv first.
 bench-peers-venv:

@@ -293,8 +293,10 @@ def evaluate_policy(model: ModelConfig, env: AgentEnv, params: Any, records: Seq
   shared = dict(batch_size=batch_size, prompt_width=prompt_width, gold_width=gold_width,
                 pass_k=pass_k, template=template, progress=progress, credit_algo=credit_algo,
                 decode=decode, text=text, chat=chat)
-  greedy = Sampler(model, temperature=0.0)
-  nucleus = Sampler(model, temperature=temperature, top_p=top_p, top_k=top_k)
+  record = getattr(credit_algo, "replay_routing", False)  # its evidence replays the routes
+  greedy = Sampler(model, temperature=0.0, record_routes=record)
+  nucleus = Sampler(model, temperature=temperature, top_p=top_p, top_k=top_k,
+                    record_routes=record)
   return {
       "greedy": evaluate(greedy, env, params, records, encode, index, rng=greedy_rng,
                          samples_per_question=1, **shared),

@@ -9,6 +9,10 @@ current (pre-update) parameters, never with the sampler's log-probs, under `stop
   student's log-probs together) when it reads the divergence or the entropy (GEAR);
 - the student pass alone otherwise (GRPO, OPSD: the PPO "old" log-probs).
 
+Routing is fresh in every pass; only an algorithm with `replay_routing` (PBSD's MoE ablation)
+scores under the routes the sampler recorded (`Rollout.routes`): the student's on every column,
+and the same on the teacher's trajectory columns, its privileged prompt routed afresh.
+
 `score_student=False` leaves the student log-probs out where only they would need a pass of
 their own (the learner's on-policy plan takes them from the update's own forward). Every score
 starts at the rollout's prompt width: action tokens lie in the trajectory, so the LM head never
@@ -83,14 +87,16 @@ def policy_batch(params: Any, rollout: Any, teacher_prompt: Array, teacher_promp
                                                              teacher_prompt_mask)
   score_from = rollout.prompt_width
   logp_student = logp_teacher = divergence = entropy = None
+  routes = replayed_routes(rollout) if getattr(algo, "replay_routing", False) else None
   if "logp_teacher" in algo.needs:
     if score_student:
       logp_student, logp_teacher = likelihood.dual_logprobs(
           params, config, tokens, mask, teacher_tokens, teacher_mask, chunk_size=chunk_size,
-          score_from=score_from)
+          routes=routes, score_from=score_from)
     else:
-      logp_teacher = likelihood.token_logprobs(params, config, teacher_tokens, teacher_mask,
-                                               chunk_size=chunk_size, score_from=score_from)
+      logp_teacher = likelihood.token_logprobs(
+          params, config, teacher_tokens, teacher_mask, chunk_size=chunk_size,
+          routes=None if routes is None else routes[1], score_from=score_from)
   if algo.needs & {"divergence", "entropy"}:
     scores = likelihood.token_divergence(params, params, config, tokens, mask, teacher_tokens,
                                          teacher_mask, beta=1.0, chunk_size=chunk_size,
@@ -109,6 +115,17 @@ def policy_batch(params: Any, rollout: Any, teacher_prompt: Array, teacher_promp
                      teacher_mask=teacher_mask, action_mask=rollout.action_mask.astype(bool),
                      inputs=jax.lax.stop_gradient(inputs), score_from=score_from,
                      turn_label=getattr(rollout, "turn_label", None))
+
+
+def replayed_routes(rollout: Any) -> Array:
+  """`i32[2, layers, B, T, k]` the student's and the teacher's routes to replay: the sampler's
+  (`rollout.routes`), with -1 (route afresh) on the teacher's privileged prompt columns."""
+  if getattr(rollout, "routes", None) is None:
+    raise ValueError("replay_routing needs the sampler's routes: the rollout recorded none "
+                     "(Sampler.record_routes)")
+  student = jnp.moveaxis(rollout.routes, 2, 0)  # [layers, B, T, k]
+  prompt = jnp.arange(student.shape[2])[None, None, :, None] < rollout.prompt_width
+  return jnp.stack([student, jnp.where(prompt, -1, student)])
 
 
 def rollout_metrics(rollout: Any) -> dict:

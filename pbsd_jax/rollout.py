@@ -67,6 +67,8 @@ class Rollout:
       retriever's numeric document id), -1 where there is none.
     turn_label: `i32[B, K]` `credit_quality.turn_labels` when the gold chains were given,
       else None.
+    routes: `i32[B, T, layers, k]` each token's MoE routes in the sampler (-1 on padding)
+      when it recorded them (`Sampler.record_routes`), else None.
   """
 
   tokens: Array
@@ -86,6 +88,7 @@ class Rollout:
   turn_kind: Array | None = None
   turn_doc: Array | None = None
   turn_label: Array | None = None
+  routes: Array | None = None
 
   @property
   def mask(self) -> Array:
@@ -242,7 +245,7 @@ def _finish(ep: Episode, prompt_mask: Array, group_ids: Array, reward: Array,
                  group_ids=group_ids, sample_logp=state.sample_logp, reward=reward,
                  searches=ep.searches, search_failures=ep.search_failures,
                  prompt_width=prompt_mask.shape[1], turn_kind=ep.turn_kind,
-                 turn_doc=ep.turn_doc, turn_label=labels)
+                 turn_doc=ep.turn_doc, turn_label=labels, routes=state.routes)
 
 
 def _group_ids(b: int, group_ids: Array | None) -> Array:

@@ -159,11 +159,17 @@ def build_plan(config) -> learner.UpdatePlan:
 
 
 def build_sampler(config, model: ModelConfig, section: str = "rollout") -> Sampler:
-  """The `rollout` (training) or `eval` (top-p evaluation) sampler."""
+  """The `rollout` (training) or `eval` (top-p evaluation) sampler; it records MoE routes
+  when the evidence replays them (`pbsd.replay_routing`)."""
   c = config[section]
+  record = config.algorithm == "pbsd" and bool(config.pbsd.replay_routing)
+  if record and not model.is_moe:
+    _fail("pbsd.replay_routing", config.pbsd.replay_routing,
+          "needs an MoE model (model.num_experts > 0): a dense model has no routes to replay")
   fields = {f: f"{section}.{f}" for f in ("temperature", "top_p", "top_k") if f in c}
   with naming_fields(fields, section):
-    return Sampler(model, temperature=c.temperature, top_p=c.top_p, top_k=c.get("top_k", 0))
+    return Sampler(model, temperature=c.temperature, top_p=c.top_p, top_k=c.get("top_k", 0),
+                   record_routes=record)
 
 
 def build_mesh(config, devices=None) -> Mesh:
@@ -197,6 +203,12 @@ def _describe_mesh(mesh: Mesh) -> str:
   return ", ".join(f"{name}={size}" for name, size in mesh.shape.items())
 
 
+def model_before_data(config) -> ModelConfig:
+  """`build_model_config` before the vocabulary is read (a stand-in size for the embedded
+  task's): everything but the embedding's rows."""
+  return build_model_config(config, None if config.model.init_dir else _STAND_IN_VOCAB)
+
+
 def validate(config, num_devices: int | None = None) -> None:
   """Checks everything that can be checked before data is read or anything compiles.
 
@@ -204,7 +216,7 @@ def validate(config, num_devices: int | None = None) -> None:
     ConfigError: naming the first field that cannot run.
   """
   build_algorithm(config)
-  model = build_model_config(config, None if config.model.init_dir else _STAND_IN_VOCAB)
+  model = model_before_data(config)
   if config.data.prompt_template not in protocol.PROMPT_TEMPLATES:
     _fail("data.prompt_template", config.data.prompt_template,
           f"must be one of {sorted(protocol.PROMPT_TEMPLATES)}")

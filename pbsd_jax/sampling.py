@@ -36,6 +36,8 @@ class DecodeState:
     cache: the `KVCache` over the buffer (its `mask` marks real slots).
     cursor: `i32[B]` the next slot each row writes.
     logits: `f32[B, V]` next-token logits after the last real token of each row.
+    routes: `i32[B, S, layers, k]` the experts each slot's token was routed to when it was
+      written (-1 on empty slots), or None unless the sampler records routes.
   """
 
   tokens: Array
@@ -44,6 +46,7 @@ class DecodeState:
   cache: KVCache
   cursor: Array
   logits: Array
+  routes: Array | None = None
 
   @property
   def mask(self) -> Array:
@@ -170,6 +173,8 @@ class Sampler:
     temperature: softmax temperature (0 = greedy).
     top_k: keep the k most likely tokens (0 = off).
     top_p: nucleus mass (1.0 = off).
+    record_routes: keep every written token's MoE routes in `DecodeState.routes` (for
+      evidence under replayed routing, an ablation).
 
   The end-of-sequence id is not a sampling setting: it belongs to the vocabulary and the
   environment (`AgentEnv.eos_id`), and reaches `decode` / `generate` as their `eos_id`.
@@ -179,8 +184,11 @@ class Sampler:
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
+  record_routes: bool = False
 
   def __post_init__(self):
+    if self.record_routes and not self.model.is_moe:
+      raise ValueError("Sampler.record_routes needs an MoE model (num_experts > 0)")
     if self.temperature < 0:
       raise ValueError(f"Sampler.temperature must be >= 0, got {self.temperature}")
     if not 0.0 < self.top_p <= 1.0:
@@ -192,6 +200,13 @@ class Sampler:
   def _forward(self, params, tokens, mask, cache, write_index, compute_logits=True):
     return Transformer(self.model).apply({"params": params}, tokens, mask, cache=cache,
                                          write_index=write_index, compute_logits=compute_logits)
+
+  def _record(self, routes: Array | None, rows: Array, slots: Array, out) -> Array | None:
+    """`routes` with the forward's `out.routes` (`[layers, B, n, k]`) written at
+    `[rows, slots]` (`[B, n]`, out-of-range slots dropped); None when not recording."""
+    if routes is None:
+      return None
+    return routes.at[rows, slots].set(jnp.moveaxis(out.routes, 0, 2), mode="drop")
 
   def _unembed(self, params, hidden):
     """`f32[B, V]` logits of hidden states `[B, D]`: prefill and append need one position per
@@ -212,10 +227,16 @@ class Sampler:
     out = self._forward(params, tokens, mask, cache, jnp.zeros((b,), jnp.int32),
                         compute_logits=False)
     buf = jnp.zeros((b, buffer_size), jnp.int32).at[:, :p].set(jnp.where(mask, tokens, 0))
+    routes = None
+    if self.record_routes:
+      empty = jnp.full((b, buffer_size, self.model.num_layers, self.model.num_experts_per_tok),
+                       -1, jnp.int32)
+      routes = self._record(empty, jnp.arange(b)[:, None],
+                            jnp.where(mask, jnp.arange(p)[None, :], buffer_size), out)
     return DecodeState(tokens=buf, sampled=jnp.zeros((b, buffer_size), bool),
                        sample_logp=jnp.zeros((b, buffer_size), jnp.float32), cache=out.cache,
                        cursor=jnp.full((b,), p, jnp.int32),
-                       logits=self._unembed(params, out.hidden[:, -1]))
+                       logits=self._unembed(params, out.hidden[:, -1]), routes=routes)
 
   @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("as_actions",))
   def append(self, params, state: DecodeState, tokens: Array, lengths: Array, *,
@@ -232,12 +253,13 @@ class Sampler:
     mask = jnp.arange(n)[None, :] < lengths[:, None]
     out = self._forward(params, tokens, mask, state.cache, state.cursor, compute_logits=False)
     rows, cols = jnp.arange(b)[:, None], state.cursor[:, None] + jnp.arange(n)[None, :]
-    buf = state.tokens.at[rows, jnp.where(mask, cols, state.buffer_size)].set(tokens, mode="drop")
+    cols = jnp.where(mask, cols, state.buffer_size)  # out of range: dropped
+    buf = state.tokens.at[rows, cols].set(tokens, mode="drop")
     last = self._unembed(params, jnp.take_along_axis(
         out.hidden, jnp.maximum(lengths - 1, 0)[:, None, None], 1)[:, 0])
-    sampled = state.sampled.at[rows, jnp.where(mask, cols, state.buffer_size)].set(
-        as_actions, mode="drop")
+    sampled = state.sampled.at[rows, cols].set(as_actions, mode="drop")
     return state.replace(tokens=buf, sampled=sampled, cache=out.cache,
+                         routes=self._record(state.routes, rows, cols, out),
                          cursor=state.cursor + lengths,
                          logits=jnp.where((lengths > 0)[:, None], last, state.logits))
 
@@ -298,6 +320,7 @@ class Sampler:
           sampled=st.sampled.at[rows, slot].set(True, mode="drop"),
           sample_logp=st.sample_logp.at[rows, slot].set(logp, mode="drop"),
           cache=out.cache, cursor=st.cursor + live_rows,
+          routes=self._record(st.routes, rows[:, None], slot[:, None], out),
           logits=jnp.where(live_rows[:, None], out.logits[:, 0], st.logits))
       recent = jnp.where(live_rows[:, None],
                          jnp.concatenate([carry.recent[:, 1:], token[:, None]], 1), carry.recent)

@@ -14,8 +14,14 @@ evaluations. `--results` (default `docs/results.md`) gets the tables and its PNG
 it: accuracy (mean and spread over seeds), the difference of each method from GRPO paired by
 seed with a bootstrap interval over questions, accuracy against step, the dynamics of PBSD
 and GRPO, pass@k, and the credit AUCs (`pbsd_jax.credit_quality`). `--ablations` adds the
-paper's Table 3 as PBSD variants (`ABLATIONS`: delta, the deadband, the turn reduction), each
-in its own `<variant>_seed<s>` runs, tabulated against PBSD.
+paper's Table 3 as PBSD variants (`ABLATIONS`: delta, the deadband, the turn reduction, and on
+an MoE model replayed routing), each in its own `<variant>_seed<s>` runs, tabulated against
+PBSD; `all` is every variant the model can run. Every run's config is checked before the SFT
+starts. The PNGs are named after the page (`results.md` -> `results_*.png`), so pages of two
+comparisons can share a folder:
+
+  python scripts/compare.py --workdir=workdir/compare_moe --config.model.name=tiny-moe \
+      --methods=pbsd --ablations=pbsd-replay --results=docs/results_moe.md
 """
 
 import datetime
@@ -51,7 +57,9 @@ ABLATIONS = {
     "pbsd-delta2": ("delta 2.0", {"pbsd.delta": 2.0}),
     "pbsd-nodeadband": ("deadband off", {"pbsd.eps_pos": 0.0, "pbsd.eps_neg": 0.0}),
     "pbsd-sum": ("turn reduction sum (the demo: mean)", {"pbsd.reduction": "sum"}),
+    "pbsd-replay": ("replayed routing (MoE; the method: fresh)", {"pbsd.replay_routing": True}),
 }
+MOE_ONLY = {"pbsd-replay"}
 
 
 def _write_json(path, value):
@@ -73,13 +81,25 @@ def main(argv):
 
   start = time.time()
   config, workdir = _CONFIG.value, _WORKDIR.value
-  ablations = list(ABLATIONS) if _ABLATIONS.value == ["all"] else _ABLATIONS.value
-  if unknown := [a for a in ablations if a not in ABLATIONS]:
+  ablations = _ABLATIONS.value
+  if unknown := [a for a in ablations if a not in ABLATIONS and a != "all"]:
     raise SystemExit(f"compare: --ablations: {unknown[0]!r} is none of {sorted(ABLATIONS)}")
   if ablations and "pbsd" not in _METHODS.value:
     raise SystemExit("compare: --ablations needs pbsd in --methods (the variants are paired "
                      "with it)")
   run_config.validate_for_script(config)
+  if ablations == ["all"]:
+    moe = run_config.model_before_data(config).is_moe
+    ablations = [a for a in ABLATIONS if moe or a not in MOE_ONLY]
+  variants = []  # (run name, settings) for every method and variant, seed-major
+  for seed in range(_SEEDS.value):
+    for method, algorithm, overrides in [(m, m, {}) for m in _METHODS.value] + [
+        (name, "pbsd", ABLATIONS[name][1]) for name in ablations]:
+      settings = config.copy_and_resolve_references()
+      settings.algorithm, settings.seed = algorithm, seed
+      settings.update_from_flattened_dict(overrides)
+      run_config.validate_for_script(settings)
+      variants.append((method, seed, settings))
   workdir_lib.claim_for_script(workdir, config, force=_FORCE_RESUME.value)
   task = task_lib.prepare_task(config, workdir)
   splits = {"validation": task.splits["rl_validation"][:config.eval.num_examples]}
@@ -117,24 +137,17 @@ def main(argv):
   base.algorithm = "pbsd"  # the SFT checkpoint is scored with PBSD's evidence
   evals = {("sft", 0): final_eval(workdir, base, sft.params)}
   runs = {}
-  variants = [(m, m, {}) for m in _METHODS.value] + [
-      (name, "pbsd", ABLATIONS[name][1]) for name in ablations]
-  for seed in range(_SEEDS.value):  # seed-major: an interrupted invocation has every variant
-    for method, algorithm, overrides in variants:
-      settings = config.copy_and_resolve_references()
-      settings.algorithm, settings.seed = algorithm, seed
-      settings.update_from_flattened_dict(overrides)
-      run_config.validate_for_script(settings)
-      run_dir = os.path.join(workdir, f"{method}_seed{seed}")
-      workdir_lib.claim_for_script(run_dir, settings, force=_FORCE_RESUME.value)
-      policy_checkpoint.save_model_config(run_dir, model)
-      log = MetricLog(run_dir)
-      state = train.rl_stage(settings, task, model, sft.params, run_dir, log, mesh,
-                             progress=tqdm.tqdm, force_resume=_FORCE_RESUME.value)
-      evals[(method, seed)] = final_eval(run_dir, settings, state.params)
-      runs[(method, seed)] = log.path
-      print(f"compare: {method} seed {seed}: greedy validation "
-            f"{evals[(method, seed)]['validation']['greedy']['accuracy']:.1%}", flush=True)
+  for method, seed, settings in variants:  # seed-major: an interrupted invocation has every
+    run_dir = os.path.join(workdir, f"{method}_seed{seed}")  # variant at the seeds it finished
+    workdir_lib.claim_for_script(run_dir, settings, force=_FORCE_RESUME.value)
+    policy_checkpoint.save_model_config(run_dir, model)
+    log = MetricLog(run_dir)
+    state = train.rl_stage(settings, task, model, sft.params, run_dir, log, mesh,
+                           progress=tqdm.tqdm, force_resume=_FORCE_RESUME.value)
+    evals[(method, seed)] = final_eval(run_dir, settings, state.params)
+    runs[(method, seed)] = log.path
+    print(f"compare: {method} seed {seed}: greedy validation "
+          f"{evals[(method, seed)]['validation']['greedy']['accuracy']:.1%}", flush=True)
   page = write_results(_RESULTS.value, evals, runs, _METHODS.value, config,
                        minutes=(time.time() - start) / 60, ablations=ablations)
   print(f"compare: wrote {page}")
@@ -149,6 +162,8 @@ def write_results(path, evals, runs, methods, config, minutes, ablations=()):
   from pbsd_jax import results
 
   out_dir = os.path.dirname(os.path.abspath(path))
+  stem = os.path.splitext(os.path.basename(path))[0]
+  png = lambda name: f"{stem}_{name}.png"
   seeds = sorted({s for (m, s) in runs})
   rows_of = lambda method: ([evals[("sft", 0)]] if method == "sft" else
                             [evals[(method, s)] for s in seeds])
@@ -193,19 +208,19 @@ def write_results(path, evals, runs, methods, config, minutes, ablations=()):
   results.plot_panels(
       {"greedy validation accuracy (mean over seeds)":
        {m.upper(): curve(m, "eval", "accuracy") for m in methods}},
-      os.path.join(out_dir, "results_accuracy_vs_step.png"))
+      os.path.join(out_dir, png("accuracy_vs_step")))
   pair = [m for m in ("grpo", "pbsd") if m in methods]
   dynamics = {"mean turns": "mean_turns", "generated tokens": "mean_action_tokens",
               "teacher > student (fraction of turns)": "credit/frac_evidence_pos",
               "mean |evidence|": "credit/mean_abs_evidence"}
   results.plot_panels(
       {title: {m.upper(): curve(m, "rl", key) for m in pair} for title, key in dynamics.items()},
-      os.path.join(out_dir, "results_dynamics.png"), smooth_window=5)
+      os.path.join(out_dir, png("dynamics")), smooth_window=5)
   results.plot_panels(
       {f"pass@k, {split} (top-p)": {m.upper(): (np.asarray(ks), np.mean(
           [[r[split]["top_p"]["pass_at_k"][str(k)] for k in ks] for r in rows_of(m)], axis=0))
           for m in ["sft", *methods]} for split in splits},
-      os.path.join(out_dir, "results_pass_at_k.png"), xlabel="k")
+      os.path.join(out_dir, png("pass_at_k")), xlabel="k")
 
   # Credit quality: AUCs over the RL steps (mean over steps and seeds) and on validation.
   credit_keys = ["credit/auc_weight", "credit/auc_weight_solved", "credit/auc_weight_failed",
@@ -259,10 +274,10 @@ def write_results(path, evals, runs, methods, config, minutes, ablations=()):
       results.markdown_table(header, table), "",
       *(["## Difference from GRPO (points; paired by seed, 95% bootstrap interval over "
          "questions)", "", results.markdown_table(diff_header, diffs), ""] if diffs else []),
-      "## Accuracy against RL step", "", "![accuracy](results_accuracy_vs_step.png)", "",
+      "## Accuracy against RL step", "", f"![accuracy]({png('accuracy_vs_step')})", "",
       "## Dynamics, PBSD vs GRPO (raw: faint; moving average of 5 steps)", "",
-      "![dynamics](results_dynamics.png)", "",
-      "## pass@k", "", "![pass@k](results_pass_at_k.png)", "",
+      f"![dynamics]({png('dynamics')})", "",
+      "## pass@k", "", f"![pass@k]({png('pass_at_k')})", "",
       "## Credit quality (ROC AUC for useful vs. other search turns; 0.5 = chance)", "",
       "During training (mean over RL steps and seeds). `auc_weight` ranks turns by the final "
       "credit relative to the flat outcome advantage, `sign(A) * w` (GRPO: `sign(A)`); "

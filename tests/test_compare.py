@@ -139,3 +139,15 @@ def test_the_results_notebook_draws_a_compare_workdir(comparison, tmp_path):
   images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs
             if "image/png" in o.get("data", {})]
   assert len(images) == 3
+
+
+def test_an_ablation_the_model_cannot_run_fails_before_the_sft(kg, tmp_path):
+  # Replayed routing needs an MoE model; every run's config is checked before anything trains.
+  cmd = [sys.executable, os.path.join(ROOT, "scripts", "compare.py"), f"--workdir={tmp_path}",
+         f"--config.data.dir={os.path.dirname(kg.paths['spm_model'])}", *SMALL,
+         "--methods=pbsd", "--seeds=1", "--ablations=pbsd-replay"]
+  proc = subprocess.run(cmd, env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""},
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode != 0
+  assert "config.pbsd.replay_routing=True: needs an MoE model" in proc.stdout + proc.stderr
+  assert not os.path.exists(tmp_path / "ckpt_sft")

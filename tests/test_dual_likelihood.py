@@ -182,3 +182,23 @@ def test_replayed_routes_per_condition_or_shared_reach_the_model():
                teacher_mask=mask, routes=own[0])
   np.testing.assert_allclose(shared[0], fresh[0], rtol=1e-5, atol=1e-6)
   assert np.max(np.abs(np.asarray(shared[1]) - np.asarray(fresh[1]))) > 1e-6
+
+
+def test_routes_of_minus_one_are_routed_afresh():
+  moe = ModelConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                    mlp_dim=16, num_experts=4, num_experts_per_tok=2)
+  params = jax.tree.map(lambda x: 10 * x, init_params(moe, jax.random.key(2)))
+  tokens = jnp.asarray(np.random.default_rng(1).integers(1, 32, size=(2, 8)), jnp.int32)
+  apply = jax.jit(lambda t, r=None: Transformer(moe).apply({"params": params}, t, routes=r))
+  fresh = apply(tokens)
+  # The two experts each token's fresh routing did not choose.
+  chosen = jnp.sum(jax.nn.one_hot(fresh.routes, 4, dtype=jnp.int32), axis=-2)
+  forced = jnp.argsort(chosen, axis=-1, stable=True)[..., :2].astype(jnp.int32)
+  part = jnp.arange(8)[None, None, :, None] < 3  # the first 3 positions routed afresh
+  mixed = apply(tokens, jnp.where(part, -1, forced))
+  explicit = jnp.where(part, fresh.routes, forced)
+  np.testing.assert_array_equal(mixed.routes, explicit)
+  np.testing.assert_allclose(mixed.logits, apply(tokens, explicit).logits, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(mixed.logits[:, :3], fresh.logits[:, :3], rtol=1e-5, atol=1e-6)
+  assert np.max(np.abs(np.asarray(mixed.logits[:, 3:] - fresh.logits[:, 3:]))) > 1e-3
+  np.testing.assert_array_equal(apply(tokens, jnp.full_like(forced, -1)).routes, fresh.routes)

@@ -333,3 +333,53 @@ def test_the_task_is_solvable_with_good_searches_and_needs_more_than_one(kg):
                             or "", r["golden_answers"]) for r in multi]
   oracle_multi = np.mean([o for o, r in zip(oracle, records) if r["hops"] >= 2])
   assert np.mean(one_search) < oracle_multi - 0.5, (np.mean(one_search), oracle_multi)
+
+
+def test_moe_rollouts_record_the_routes_that_replayed_evidence_reads(kg, setup):
+  from pbsd_jax import algorithms, evidence, likelihood, privileged
+  from pbsd_jax.models import Transformer
+  env = setup[0]
+  config = ModelConfig(vocab_size=kg.vocab.vocab_size, hidden_size=32, num_layers=1,
+                       num_heads=2, num_kv_heads=1, mlp_dim=64, num_experts=4,
+                       num_experts_per_tok=2, expert_mlp_dim=32)
+  params = init_params(config, jax.random.key(0))
+  # A decisive router (random init is near-uniform), so no route is a float tie.
+  params["layers"]["moe"]["router_kernel"] *= 100.0
+  sampler = Sampler(config, record_routes=True)
+  records = kg.records("rl_validation")[:4]
+  width = 80
+  region = prompt_region([r["question"] for r in records], kg.encode, width,
+                         answers=[r["golden_answers"][0] for r in records])
+  prompts, pmask = jnp.asarray(region["prompts"]), jnp.asarray(region["prompt_mask"])
+  golds = [r["golden_answers"] for r in records]
+  graph = ingraph_rollout(sampler, env, params, prompts, pmask, jax.random.key(2),
+                          kg.retriever.index, _gold(kg, golds))
+  host = host_rollout(sampler, env, params, prompts, pmask, jax.random.key(2), kg.retriever,
+                      kg.encode, kg.decode, golds)
+  assert int(graph.num_action_tokens.min()) > 0 and int(jnp.sum(graph.observation_mask)) > 0
+  for out in (graph, host):
+    full = Transformer(config).apply({"params": params}, out.tokens, out.mask).routes
+    mask = np.asarray(out.mask)
+    np.testing.assert_array_equal(np.asarray(out.routes)[mask],
+                                  np.moveaxis(np.asarray(full), 0, 2)[mask])
+    assert np.all(np.asarray(out.routes)[~mask] == -1)
+
+  # Replayed evidence: the teacher's trajectory tokens take the student's routes, its
+  # privileged prompt is routed afresh; fresh evidence routes the teacher on its own.
+  teacher, tmask = jnp.asarray(region["teacher_prompt"]), jnp.asarray(region["teacher_prompt_mask"])
+  batch = lambda **kw: evidence.policy_batch(
+      params, graph, teacher, tmask, jnp.int32(0), config=config, max_turns=MAX_TURNS,
+      algo=algorithms.get("pbsd", group_size=4, **kw)).inputs
+  replayed, fresh = batch(replay_routing=True), batch()
+  t_tokens, t_mask = privileged.teacher_sequence(graph.tokens, graph.mask, teacher, tmask)
+  routes = jnp.moveaxis(graph.routes, 2, 0)
+  routes = jnp.where(jnp.arange(routes.shape[2])[None, None, :, None] < width, -1, routes)
+  reference = likelihood.token_logprobs(params, config, t_tokens, t_mask, routes=routes,
+                                        score_from=width)
+  act = np.asarray(graph.action_mask)
+  np.testing.assert_allclose(np.asarray(replayed.logp_teacher)[act],
+                             np.asarray(reference)[act], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(replayed.logp_student)[act],
+                             np.asarray(fresh.logp_student)[act], rtol=1e-5, atol=1e-5)
+  gap = np.abs(np.asarray(replayed.logp_teacher) - np.asarray(fresh.logp_teacher))[act]
+  assert gap.max() > 1e-3

@@ -203,3 +203,38 @@ def test_bad_sampler_settings_raise():
 def test_sampler_names_the_field_that_cannot_run(settings, message):
   with pytest.raises(ValueError, match=f"^{message}$"):
     Sampler(CONFIG, **settings)
+
+
+MOE = ModelConfig(vocab_size=40, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
+                  mlp_dim=48, num_experts=4, num_experts_per_tok=2)
+
+
+def test_recorded_routes_are_the_routes_of_the_tokens_as_written():
+  # Prefill, a decode, an append of uneven lengths and a second decode: every written slot
+  # holds the experts its token was routed to, which a full forward over the final buffer
+  # (the same parameters, so the same routing) recomputes; empty slots hold -1.
+  params = jax.tree.map(lambda x: x * 20.0, init_params(MOE, jax.random.key(1)))
+  sampler = Sampler(MOE, temperature=1.0, record_routes=True)
+  state = sampler.prefill(params, PROMPT, PMASK, 24)
+  budget = jnp.array([3, 5, 2])
+  state, _ = sampler.decode(params, state, jax.random.key(0), budget, max_steps=5)
+  state = sampler.append(params, state, jnp.array([[21, 22, 23]] * 3), jnp.array([3, 0, 2]))
+  state, _ = sampler.decode(params, state, jax.random.key(1), budget, max_steps=5)
+  full = Transformer(MOE).apply({"params": params}, state.tokens, state.mask).routes
+  full = np.moveaxis(np.asarray(full), 0, 2)  # [B, S, layers, k]
+  got, mask = np.asarray(state.routes), np.asarray(state.mask)
+  assert got.shape == (3, 24, 2, 2) and mask.sum() > 20
+  np.testing.assert_array_equal(got[mask], full[mask])
+  assert np.all(got[~mask] == -1)
+  # Decoding takes the same tokens whether or not the routes are recorded.
+  plain = Sampler(MOE, temperature=1.0).prefill(params, PROMPT, PMASK, 24)
+  plain, _ = Sampler(MOE, temperature=1.0).decode(params, plain, jax.random.key(0), budget,
+                                                  max_steps=5)
+  again, _ = sampler.decode(params, sampler.prefill(params, PROMPT, PMASK, 24),
+                            jax.random.key(0), budget, max_steps=5)
+  np.testing.assert_array_equal(plain.tokens, again.tokens)
+
+
+def test_recording_routes_needs_an_moe_model():
+  with pytest.raises(ValueError, match="record_routes needs an MoE model"):
+    Sampler(CONFIG, record_routes=True)

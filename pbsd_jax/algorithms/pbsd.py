@@ -31,6 +31,9 @@ class PBSD(GRPO):
     eps_pos, eps_neg: deadband thresholds (0.001 / 0.003).
     reduction: per-turn evidence `'mean'` (default) or `'sum'`.
     form: `'tanh'` (default) or `'clipped_tanh'`.
+    replay_routing: score the evidence of an MoE model under the sampler's recorded routes
+      (the student's routes also for the teacher's trajectory tokens) instead of fresh routes
+      (False, the paper's method; True only for its ablation, DESIGN §2).
   """
 
   name: ClassVar[str] = "pbsd"
@@ -42,6 +45,7 @@ class PBSD(GRPO):
   eps_neg: float = 0.003
   reduction: str = "mean"
   form: str = "tanh"
+  replay_routing: bool = False
 
   def validate(self):
     super().validate()

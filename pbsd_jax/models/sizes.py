@@ -8,6 +8,14 @@ SIZES = {
     # CPU: trains in minutes on the embedded task.
     "tiny": dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=512,
                  tie_embeddings=True, rope_theta=10_000.0),
+    # MoE twins of the two (4 experts, 2 per token, each half the dense MLP): routing replay,
+    # the evidence ablation of `pbsd.replay_routing`.
+    "micro-moe": dict(hidden_size=32, num_layers=1, num_heads=2, num_kv_heads=1, mlp_dim=64,
+                      num_experts=4, num_experts_per_tok=2, expert_mlp_dim=32,
+                      tie_embeddings=True),
+    "tiny-moe": dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, mlp_dim=512,
+                     num_experts=4, num_experts_per_tok=2, expert_mlp_dim=256,
+                     tie_embeddings=True, rope_theta=10_000.0),
     # CPU benchmarks: enough work per decode step that it outweighs the per-op dispatch (which
     # every fake CPU device of a mesh repeats).
     "small": dict(hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, mlp_dim=2048,

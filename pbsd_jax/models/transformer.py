@@ -338,7 +338,8 @@ class MoE(nn.Module):
 
   Routing replay: when `routes: i32[B, T, k]` is given, those experts are used instead of the
   router's own top-k; their gate weights are still the current router's probabilities (the
-  replayed quantity is the discrete choice, as in the PBSD ablation). Experts are evaluated
+  replayed quantity is the discrete choice, as in the PBSD ablation). A token whose routes are
+  -1 is routed afresh (one the sampler never saw, e.g. a privileged prompt). Experts are evaluated
   densely and combined with a sparse weight matrix, which is exact and simple; a dispatching
   kernel is a drop-in replacement for large expert counts.
   """
@@ -350,8 +351,8 @@ class MoE(nn.Module):
     e, m = c.num_experts, c.resolved_expert_mlp_dim
     router = _param(self, "router_kernel", (c.hidden_size, e), ("embed", "expert"))
     probs = jax.nn.softmax((x @ router.astype(dt)).astype(jnp.float32), axis=-1)  # [B,T,E]
-    if routes is None:
-      _, routes = jax.lax.top_k(probs, c.num_experts_per_tok)
+    _, fresh = jax.lax.top_k(probs, c.num_experts_per_tok)
+    routes = fresh if routes is None else jnp.where(routes >= 0, routes, fresh)
     top = jnp.take_along_axis(probs, routes, axis=-1)
     if c.norm_topk_prob:
       top = top / jnp.sum(top, axis=-1, keepdims=True)
@@ -422,7 +423,7 @@ class Transformer(nn.Module):
       cache: a `KVCache`; the new tokens are written at slots `write_index + j` and attend to
         everything real already in it. None: a plain forward over `tokens` alone.
       write_index: `i32[B]` first slot to write per row (required with `cache`).
-      routes: `i32[layers, B, T, k]` expert choices to replay (MoE only).
+      routes: `i32[layers, B, T, k]` expert choices to replay (MoE only); -1 routes afresh.
       compute_logits: False returns hidden states only (for the chunked LM head).
 
     Returns:
