@@ -355,6 +355,36 @@ def stratify(solve_counts: Sequence[int], num_samples: int, per_tier: int,
           for t, m in members.items()}
 
 
+def stratified_subset(sampler: Sampler, env: AgentEnv, params: Any, records: Sequence[Mapping],
+                      *, num_samples: int, per_tier: int, seed: int, **kw) -> tuple[list, dict]:
+  """The paper's BC(300) procedure on a pool: `num_samples` rollouts of every record under
+  `sampler` (`evaluate`, rng from `seed`), `stratify` by the solve counts, the drawn records.
+
+  Args:
+    sampler, env, params, records: as in `evaluate`; `kw` its other arguments.
+    num_samples: n, samples per question.
+    per_tier: records drawn per tier.
+    seed: the sampling key and the draw's seed.
+
+  Returns:
+    `(rows, summary)`: the drawn records tier by tier, each as it was with `tier` set (its
+    previous `tier` kept as `kind`) and `solve_count` / `samples` added; and the pool's
+    `accuracy` and every tier's size (`tier_sizes`).
+
+  Raises:
+    ValueError: a tier of the pool holds fewer than `per_tier` records (`stratify`).
+  """
+  result = evaluate(sampler, env, params, records, rng=jax.random.key(seed),
+                    samples_per_question=num_samples, pass_k=(), **kw)
+  counts = result["solve_counts"]
+  chosen = stratify(counts, num_samples, per_tier, seed)
+  rows = [{**records[i], "kind": records[i].get("tier", ""), "tier": tier,
+           "solve_count": int(counts[i]), "samples": num_samples}
+          for tier, indices in chosen.items() for i in indices]
+  sizes = {t: sum(stratify_tier(int(c), num_samples) == t for c in counts) for t in TIERS}
+  return rows, {"accuracy": result["accuracy"], "tier_sizes": sizes}
+
+
 def _percent(x: float) -> str:
   return f"{100.0 * x:.1f}%"
 

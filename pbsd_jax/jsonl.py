@@ -1,4 +1,5 @@
-"""Reading JSONL files line by line, with 1-based line numbers for error messages.
+"""Reading JSONL files line by line, with 1-based line numbers for error messages, and
+writing them whole.
 
 Shared by the question-record reader (`data/records.py`), the corpus reader
 (`env/host_bm25.py`) and the metric-log reader (`report.py`); imports nothing of the package.
@@ -7,7 +8,8 @@ Shared by the question-record reader (`data/records.py`), the corpus reader
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator
+import os
+from typing import Any, Iterable, Iterator
 
 
 def iter_jsonl(path: str) -> Iterator[tuple[int, Any]]:
@@ -27,3 +29,11 @@ def iter_jsonl(path: str) -> Iterator[tuple[int, Any]]:
       except json.JSONDecodeError as e:
         raise ValueError(f"{path}, line {n}: invalid JSON: {e.msg}") from None
       yield n, value
+
+
+def write_jsonl(path: str, rows: Iterable[Any]) -> None:
+  """Writes one JSON value per line (UTF-8, non-ASCII kept), creating the parent folder."""
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w", encoding="utf-8") as f:
+    for row in rows:
+      f.write(json.dumps(row, ensure_ascii=False) + "\n")

@@ -215,6 +215,9 @@ def prepare_task(config, workdir: str) -> Task:
       make_dataset(data_dir, seed=config.data.data_seed)
     splits = {name: read_records(os.path.join(data_dir, f"{name}.jsonl"))
               for name in ("rl_train", "rl_validation", "sft", "ood")}
+    pool = os.path.join(data_dir, "ood_pool.jsonl")  # datasets made before it have none
+    if os.path.exists(pool):
+      splits["ood_pool"] = read_records(pool)
     corpus = corpus or os.path.join(data_dir, "corpus.jsonl")
     if vocab is None:
       vocab = vocab_lib.sentencepiece_vocabulary(os.path.join(data_dir, "spm.model"))

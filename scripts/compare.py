@@ -1,16 +1,20 @@
 r"""Compare RL algorithms from one SFT checkpoint over seeds, and write the results page.
 
   python scripts/compare.py --workdir=workdir/compare --methods=grpo,pbsd,opsd,rlsd,gear \
-      --seeds=3 --samples=16 --ood=workdir/compare/ood_tiers.jsonl --ablations=all
+      --seeds=3 --samples=16 --ablations=all
 
 The SFT stage runs once (`<workdir>/ckpt_sft`); then every method x seed trains from it in its
 own directory (`<workdir>/<method>_seed<s>`: checkpoints, metrics, `final_eval.json`) with
 `config.seed = s` (the RL prompts and sampling keys; the SFT checkpoint is shared), logging
 greedy validation accuracy every `config.eval.every` steps. Each finished run is evaluated
 once: greedy and top-p (`config.eval`, `--samples` per question) on the first
-`config.eval.num_examples` validation questions and on the `--ood` question file (the
-tiers `scripts/stratify.py` writes). Everything resumes: re-running skips finished runs and
-evaluations. `--results` (default `docs/results.md`) gets the tables and its PNGs go beside
+`config.eval.num_examples` validation questions and on out-of-domain tiers: the `--ood`
+question file (tiers as `scripts/stratify.py` writes them), or else the paper's BC(300)
+procedure on `--ood_pool` (the embedded task's `ood_pool` split by default): the shared SFT
+checkpoint samples every pool question `--ood_samples` times (`config.eval`), and
+`--ood_per_tier` questions of each tier (Easy: always solved, Hard: never, Medium: the rest)
+become `<workdir>/ood_tiers.jsonl` (`evaluate.stratified_subset`). Everything resumes:
+re-running skips finished runs and evaluations (a split added later is evaluated alone). `--results` (default `docs/results.md`) gets the tables and its PNGs go beside
 it: accuracy (mean and spread over seeds), the difference of each method from GRPO paired by
 seed with a bootstrap interval over questions, accuracy against step, the dynamics of PBSD
 and GRPO, pass@k, and the credit AUCs (`pbsd_jax.credit_quality`). `--ablations` adds the
@@ -43,6 +47,10 @@ _METHODS = flags.DEFINE_list("methods", ["grpo", "pbsd", "opsd", "rlsd", "gear"]
 _SEEDS = flags.DEFINE_integer("seeds", 3, "Seeds per method (0 .. seeds-1).")
 _SAMPLES = flags.DEFINE_integer("samples", 16, "Top-p samples per question (pass@k up to it).")
 _OOD = flags.DEFINE_string("ood", "", "A question file with tiers (scripts/stratify.py).")
+_OOD_POOL = flags.DEFINE_string("ood_pool", "ood_pool", "Without --ood: the split or question "
+                                "file to stratify by the SFT checkpoint ('' for no OOD).")
+_OOD_SAMPLES = flags.DEFINE_integer("ood_samples", 5, "Samples per pool question.")
+_OOD_PER_TIER = flags.DEFINE_integer("ood_per_tier", 100, "Pool questions drawn per tier.")
 _RESULTS = flags.DEFINE_string("results", "docs/results.md", "The results page to write.")
 _FORCE_RESUME = flags.DEFINE_bool("force_resume", False, "As in scripts/train.py.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 64, "Evaluation rollout rows per call.")
@@ -103,24 +111,32 @@ def main(argv):
   workdir_lib.claim_for_script(workdir, config, force=_FORCE_RESUME.value)
   task = task_lib.prepare_task(config, workdir)
   splits = {"validation": task.splits["rl_validation"][:config.eval.num_examples]}
-  if _OOD.value:
-    try:
-      splits["ood"] = task.records(_OOD.value)
-    except (FileNotFoundError, ValueError) as err:
-      raise SystemExit(f"compare: --ood: {err}") from None
+  ood_flag, pool = ("--ood", _OOD.value) if _OOD.value else ("--ood_pool", _OOD_POOL.value)
+  try:
+    pool = task.records(pool) if pool else None
+  except (FileNotFoundError, ValueError) as err:
+    raise SystemExit(f"compare: {ood_flag}: {err}") from None
   model = run_config.build_model_config(config, task.vocab.vocab_size)
   mesh = run_config.mesh_for_script(config, model)
   policy_checkpoint.save_model_config(workdir, model)
   sft = train.sft_stage(config, task, model, workdir, MetricLog(workdir), mesh,
                         progress=tqdm.tqdm, force_resume=_FORCE_RESUME.value)
+  if _OOD.value:
+    splits["ood"] = pool
+  elif pool:
+    splits["ood"] = ood_tiers(os.path.join(workdir, "ood_tiers.jsonl"), pool, config, task,
+                              model, sft.params)
 
   def final_eval(run_dir, settings, params):
     path = os.path.join(run_dir, "final_eval.json")
+    result = {}
     if os.path.exists(path):
       with open(path) as f:
-        return json.load(f)
+        result = json.load(f)
+    if all(name in result for name in splits):
+      return result
     algo = run_config.build_algorithm(settings)
-    result = {name: evaluate.evaluate_policy(
+    result |= {name: evaluate.evaluate_policy(
         model, task.env, params, records, **task.rollout_args, batch_size=_BATCH_SIZE.value,
         rng=jax.random.fold_in(jax.random.key(settings.seed), i),
         prompt_width=config.data.prompt_width, gold_width=config.data.gold_width,
@@ -129,7 +145,7 @@ def main(argv):
                                                 if k <= _SAMPLES.value),
         credit_algo=algo,
         progress=lambda it, **kw: tqdm.tqdm(it, leave=False, **kw))
-        for i, (name, records) in enumerate(splits.items())}
+        for i, (name, records) in enumerate(splits.items()) if name not in result}
     _write_json(path, result)
     return result
 
@@ -151,6 +167,33 @@ def main(argv):
   page = write_results(_RESULTS.value, evals, runs, _METHODS.value, config,
                        minutes=(time.time() - start) / 60, ablations=ablations)
   print(f"compare: wrote {page}")
+
+
+def ood_tiers(path, pool, config, task, model, params):
+  """The stratified OOD tiers of `pool` under the SFT `params` (module docstring), made once
+  and read back from `path` after."""
+  import tqdm
+
+  from pbsd_jax import evaluate, jsonl
+  from pbsd_jax.data.records import read_records
+  from pbsd_jax.sampling import Sampler
+
+  if os.path.exists(path):
+    return read_records(path)
+  sampler = Sampler(model, temperature=config.eval.temperature, top_p=config.eval.top_p)
+  try:
+    rows, summary = evaluate.stratified_subset(
+        sampler, task.env, params, pool, **task.rollout_args, num_samples=_OOD_SAMPLES.value,
+        per_tier=_OOD_PER_TIER.value, seed=0, batch_size=_BATCH_SIZE.value,
+        prompt_width=config.data.prompt_width, gold_width=config.data.gold_width,
+        progress=lambda it, **kw: tqdm.tqdm(it, leave=False, **kw))
+  except ValueError as err:
+    raise SystemExit(f"compare: --ood_pool: {err}") from None
+  jsonl.write_jsonl(path, rows)
+  print(f"compare: the OOD pool ({len(pool)} questions x {_OOD_SAMPLES.value} samples) under "
+        f"the SFT checkpoint: accuracy {summary['accuracy']:.1%}, tiers "
+        f"{summary['tier_sizes']}; {len(rows)} questions to {path}", flush=True)
+  return rows
 
 
 def write_results(path, evals, runs, methods, config, minutes, ablations=()):

@@ -20,6 +20,8 @@ _PEOPLE = flags.DEFINE_integer("people", world.WorldSizes.people, "Number of peo
 _SFT = flags.DEFINE_integer("sft", splits.SplitSizes.sft, "Number of SFT trajectories.")
 _OOD_PER_TIER = flags.DEFINE_integer(
     "ood_per_tier", splits.SplitSizes.ood_per_tier, "OOD questions per tier.")
+_OOD_POOL = flags.DEFINE_integer(
+    "ood_pool", splits.SplitSizes.ood_pool, "Questions in the stratification pool.")
 
 
 def main(argv):
@@ -27,7 +29,8 @@ def main(argv):
   paths = build.make_dataset(
       _OUT.value, seed=_SEED.value,
       world_sizes=world.WorldSizes(people=_PEOPLE.value),
-      split_sizes=splits.SplitSizes(sft=_SFT.value, ood_per_tier=_OOD_PER_TIER.value),
+      split_sizes=splits.SplitSizes(sft=_SFT.value, ood_per_tier=_OOD_PER_TIER.value,
+                                    ood_pool=_OOD_POOL.value),
       detour_share=_DETOUR_SHARE.value, vocab_size=_VOCAB_SIZE.value)
   for name, path in sorted(paths.items()):
     print(f"{name:14s} {path}")

@@ -1,17 +1,19 @@
 r"""Difficulty tiers by a checkpoint's solve rate, and a balanced subset (the paper's BC(300)).
 
   python scripts/stratify.py --config=configs/pbsd.py --ckpt_dir=workdir/pbsd/ckpt_sft \
-      --split=rl_validation --samples=8 --per_tier=100 --out=workdir/pbsd/bc300.jsonl
+      --split=ood_pool --samples=5 --per_tier=100 --out=workdir/pbsd/bc300.jsonl
 
 Every question is sampled `--samples` times with the evaluation setting (`config.eval`:
 temperature 1, top-p 0.95); a question solved in all samples is Easy, in none Hard, otherwise
 Medium (`pbsd_jax.evaluate.stratify`). `--per_tier` questions per tier are drawn with
-`--seed` and written as JSONL -- each record as it was, with `tier` set and `solve_count` /
-`samples` added -- ready for `scripts/evaluate.py --splits=<out>`. Checkpoint, data and config
-flags as in `scripts/evaluate.py`.
+`--seed` and written as JSONL -- each record as it was, with `tier` set (its generator kind kept
+as `kind`) and `solve_count` / `samples` added -- ready for `scripts/evaluate.py --splits=<out>`
+and `scripts/compare.py --ood=<out>` (`evaluate.stratified_subset`). The embedded task's pool
+is the `ood_pool` split (`pbsd_jax.data.splits`: longer chains and unseen compositions), so the
+tiers depend on the checkpoint, not on the generator. Checkpoint, data and config flags as in
+`scripts/evaluate.py`.
 """
 
-import json
 import os
 
 from absl import app
@@ -27,8 +29,8 @@ _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest
 _WORKDIR = flags.DEFINE_string("workdir", None,
                                "The run's workdir (default: the parent of --ckpt_dir).")
 _DATA_DIR = flags.DEFINE_string("data_dir", None, "Dataset directory (overrides config).")
-_SPLIT = flags.DEFINE_string("split", "rl_validation", "Split name or question file.")
-_SAMPLES = flags.DEFINE_integer("samples", 8, "Samples per question (N).")
+_SPLIT = flags.DEFINE_string("split", "ood_pool", "Split name or question file.")
+_SAMPLES = flags.DEFINE_integer("samples", 5, "Samples per question (N).")
 _PER_TIER = flags.DEFINE_integer("per_tier", 100, "Questions drawn per tier.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 64, "Rollout rows per call.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the sampling and of the subset draw.")
@@ -38,10 +40,9 @@ _OUT = flags.DEFINE_string("out", None,
 
 def main(argv):
   del argv
-  import jax
   import tqdm
 
-  from pbsd_jax import evaluate, run_config, task as task_lib
+  from pbsd_jax import evaluate, jsonl, run_config, task as task_lib
   from pbsd_jax.env import protocol
   from pbsd_jax.sampling import Sampler
 
@@ -61,33 +62,22 @@ def main(argv):
     raise SystemExit(f"stratify: {err}") from None
 
   sampler = Sampler(model, temperature=config.eval.temperature, top_p=config.eval.top_p)
-  result = evaluate.evaluate(
-      sampler, task.env, params, records, **task.rollout_args,
-      batch_size=_BATCH_SIZE.value, rng=jax.random.key(_SEED.value),
-      prompt_width=config.data.prompt_width, gold_width=config.data.gold_width,
-      samples_per_question=_SAMPLES.value, pass_k=(),
-      template=protocol.PROMPT_TEMPLATES[config.data.prompt_template],
-      progress=lambda it, **kw: tqdm.tqdm(it, leave=False, **kw))
-  counts = result["solve_counts"]
   try:
-    chosen = evaluate.stratify(counts, _SAMPLES.value, _PER_TIER.value, _SEED.value)
+    rows, summary = evaluate.stratified_subset(
+        sampler, task.env, params, records, **task.rollout_args, num_samples=_SAMPLES.value,
+        per_tier=_PER_TIER.value, seed=_SEED.value, batch_size=_BATCH_SIZE.value,
+        prompt_width=config.data.prompt_width, gold_width=config.data.gold_width,
+        template=protocol.PROMPT_TEMPLATES[config.data.prompt_template],
+        progress=lambda it, **kw: tqdm.tqdm(it, leave=False, **kw))
   except ValueError as err:
     raise SystemExit(f"stratify: {_SPLIT.value}: {err}") from None
   out = _OUT.value or os.path.join(
       workdir, f"stratified_{os.path.splitext(os.path.basename(_SPLIT.value))[0]}.jsonl")
-  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-  with open(out, "w") as f:
-    for tier, indices in chosen.items():
-      for i in indices:
-        row = {**records[i], "tier": tier, "solve_count": counts[i], "samples": _SAMPLES.value}
-        f.write(json.dumps(row) + "\n")
-  sizes = {t: sum(1 for c in counts if evaluate.stratify_tier(c, _SAMPLES.value) == t)
-           for t in evaluate.TIERS}
+  jsonl.write_jsonl(out, rows)
   print(f"{_SPLIT.value}: {len(records)} questions x {_SAMPLES.value} samples from "
         f"{os.path.basename(ckpt_dir)}{'' if step is None else f' step {step}'}: "
-        f"accuracy {100 * result['accuracy']:.1f}%, tiers {sizes}")
-  print(f"wrote {sum(len(v) for v in chosen.values())} questions ({_PER_TIER.value} per tier) "
-        f"to {out}")
+        f"accuracy {100 * summary['accuracy']:.1f}%, tiers {summary['tier_sizes']}")
+  print(f"wrote {len(rows)} questions ({_PER_TIER.value} per tier) to {out}")
 
 
 if __name__ == "__main__":

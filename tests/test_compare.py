@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -43,16 +44,17 @@ def test_smooth_and_means_skip_missing_values():
   assert np.isnan(results.nanmean([np.nan, np.nan]))
 
 
-def _compare(workdir, data_dir, ood, results_md):
+def _compare(workdir, data_dir, ood, results_md, *extra, check=True):
   cmd = [sys.executable, os.path.join(ROOT, "scripts", "compare.py"), f"--workdir={workdir}",
          f"--config.data.dir={data_dir}", *SMALL, "--config.eval.num_examples=6",
          "--config.eval.every=2", "--methods=grpo,pbsd", "--seeds=2", "--samples=2",
          "--batch_size=12", "--ablations=pbsd-sum",
-         f"--ood={ood}", f"--results={results_md}"]
+         *([f"--ood={ood}"] if ood else []), f"--results={results_md}", *extra]
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
   proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-  assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-  return proc.stdout
+  if check:
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+  return proc
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +68,7 @@ def comparison(kg, tmp_path_factory):
   ood_path.write_text("".join(json.dumps(r) + "\n" for r in ood))
   workdir, page = str(root / "compare"), str(root / "docs" / "results.md")
   data_dir = os.path.dirname(kg.paths["spm_model"])
-  return workdir, page, ood_path, data_dir, _compare(workdir, data_dir, ood_path, page)
+  return workdir, page, ood_path, data_dir, _compare(workdir, data_dir, ood_path, page).stdout
 
 
 def test_compare_trains_every_method_and_seed_from_one_sft_and_tabulates_them(comparison,
@@ -151,3 +153,25 @@ def test_an_ablation_the_model_cannot_run_fails_before_the_sft(kg, tmp_path):
   assert proc.returncode != 0
   assert "config.pbsd.replay_routing=True: needs an MoE model" in proc.stdout + proc.stderr
   assert not os.path.exists(tmp_path / "ckpt_sft")
+
+
+def test_without_ood_file_the_pool_is_stratified_by_the_sft_checkpoint(comparison, kg,
+                                                                       tmp_path):
+  # The comparison's SFT checkpoint (copied) samples a pool of 6. That small SFT solves none of
+  # it, so every question is Hard (0 of 2 samples) and Easy and Medium cannot give one question
+  # each: the run ends naming the tier sizes, which counted every pool question, before any
+  # RL run. (The demo's SFT: docs/results.md.)
+  workdir, _, _, data_dir, _ = comparison
+  run = tmp_path / "run"
+  shutil.copytree(workdir, run, ignore=lambda d, names: [n for n in names if "_seed" in n])
+  (tmp_path / "pool.jsonl").write_text(
+      "".join(json.dumps(r) + "\n" for r in kg.records("ood_pool")[::250]))
+  proc = _compare(str(run), data_dir, None, str(tmp_path / "page.md"),
+                  f"--ood_pool={tmp_path / 'pool.jsonl'}", "--ood_samples=2",
+                  "--ood_per_tier=1", check=False)
+  assert proc.returncode != 0
+  last = (proc.stdout + proc.stderr).strip().splitlines()[-1]
+  assert last == ("compare: --ood_pool: tier(s) ['easy', 'medium'] have fewer than per_tier=1 "
+                  "questions (tier sizes {'easy': 0, 'medium': 0, 'hard': 6}, n=2 samples "
+                  "each)"), last
+  assert not [n for n in os.listdir(run) if "_seed" in n]

@@ -12,9 +12,9 @@ from pbsd_jax.data import splits
 from pbsd_jax.data import world
 
 _FILES = ("world.json", "corpus.jsonl", "rl_train.jsonl", "rl_validation.jsonl", "sft.jsonl",
-          "ood.jsonl", "spm.model", "spm.vocab", "manifest.json")
+          "ood.jsonl", "ood_pool.jsonl", "spm.model", "spm.vocab", "manifest.json")
 _SMALL = dict(world_sizes=world.WorldSizes(people=120),
-              split_sizes=splits.SplitSizes(sft=300, ood_per_tier=20))
+              split_sizes=splits.SplitSizes(sft=300, ood_per_tier=20, ood_pool=90))
 
 
 def _read_all(directory):
@@ -47,7 +47,8 @@ def test_manifest_records_arguments_and_counts(first):
   with open(os.path.join(first, "manifest.json")) as f:
     manifest = json.load(f)
   assert manifest["seed"] == 0 and manifest["world_sizes"]["people"] == 120
-  assert manifest["counts"] == {"rl_train": 575, "rl_validation": 200, "sft": 300, "ood": 60}
+  assert manifest["counts"] == {"rl_train": 575, "rl_validation": 200, "sft": 300, "ood": 60,
+                                "ood_pool": 90}
   with open(os.path.join(first, "corpus.jsonl")) as f:
     assert sum(1 for _ in f) == manifest["num_documents"]
 
@@ -58,7 +59,7 @@ def test_script_writes_the_same_bytes_as_the_library(first, tmp_path):
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   result = subprocess.run(
       [sys.executable, os.path.join(repo, "scripts", "make_data.py"), f"--out={out}",
-       "--people=120", "--sft=300", "--ood_per_tier=20", "--seed=0"],
+       "--people=120", "--sft=300", "--ood_per_tier=20", "--ood_pool=90", "--seed=0"],
       capture_output=True, text=True, timeout=300, check=False)
   assert result.returncode == 0, result.stderr[-2000:]
   assert sorted(os.listdir(out)) == sorted(_FILES)

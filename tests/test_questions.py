@@ -68,7 +68,8 @@ def test_chains_never_revisit_an_entity(splits):
 
 def test_split_sizes_match_the_paper_and_config(splits):
   sizes = {name: len(split) for name, split in splits.items()}
-  assert sizes == {"rl_train": 575, "rl_validation": 200, "sft": 2000, "ood": 300}
+  assert sizes == {"rl_train": 575, "rl_validation": 200, "sft": 2000, "ood": 300,
+                   "ood_pool": 1500}
 
 
 def test_no_question_appears_in_two_splits(splits):
@@ -101,6 +102,30 @@ def test_ood_tiers_are_balanced_and_follow_their_definition(splits):
       assert q.hops in (3, 4) and bigrams & heldout
     else:
       assert q.hops == 5
+
+
+def test_the_stratification_pool_holds_a_third_of_each_harder_kind(world, splits):
+  heldout = set(splits_lib.SplitSizes().heldout_bigrams)
+  pool = splits["ood_pool"]
+  assert collections.Counter(q.tier for q in pool) == {"long": 500, "unseen": 500,
+                                                        "longest": 500}
+  for q in pool:
+    bigrams = set(zip(q.relations, q.relations[1:]))
+    if q.tier == "long":
+      assert q.hops in (3, 4) and not bigrams & heldout
+    elif q.tier == "unseen":
+      assert q.hops in (2, 3, 4) and bigrams & heldout
+    else:
+      assert q.hops == 5
+  # Drawn last: the other splits are those of a world without a pool.
+  without = splits_lib.make_splits(world, 0, splits_lib.SplitSizes(ood_pool=0))
+  assert without["ood_pool"] == [] and all(
+      [q.question for q in without[k]] == [q.question for q in splits[k]]
+      for k in ("rl_train", "rl_validation", "sft", "ood"))
+  # Sizes that are not a multiple of 3 give the remainder to the last kinds.
+  assert collections.Counter(q.tier for q in splits_lib.make_splits(
+      world, 0, splits_lib.SplitSizes(ood_pool=8))["ood_pool"]) == {
+          "long": 2, "unseen": 3, "longest": 3}
 
 
 def test_same_seed_gives_same_splits(world, splits):

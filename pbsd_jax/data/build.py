@@ -6,6 +6,8 @@
     rl_validation.jsonl  200             "relations", "chain", "chain_names"}
     sft.jsonl            question fields + "actions", "gold_doc_ids", "detour_turns"
     ood.jsonl            question fields, tier in easy / medium / hard
+    ood_pool.jsonl       question fields, tier in long / unseen / longest (the pool that
+                         scripts/stratify.py sorts by a checkpoint's solve rate)
     spm.model, spm.vocab the SentencePiece vocabulary (protocol tags are single tokens)
     manifest.json        the arguments and the counts
 
@@ -19,17 +21,12 @@ import json
 import os
 
 from pbsd_jax import vocab as vocab_lib
+from pbsd_jax.jsonl import write_jsonl
 from pbsd_jax.data import corpus as corpus_lib
 from pbsd_jax.data import oracle as oracle_lib
 from pbsd_jax.data import splits as splits_lib
 from pbsd_jax.data import world as world_lib
 from pbsd_jax.env import protocol
-
-
-def _write_jsonl(path: str, rows: list[dict]) -> None:
-  with open(path, "w", encoding="utf-8") as f:
-    for row in rows:
-      f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
 
 def make_dataset(out_dir: str, seed: int = 0,
@@ -48,7 +45,7 @@ def make_dataset(out_dir: str, seed: int = 0,
 
   Returns:
     `{name: path}` of the written files (keys: world, corpus, rl_train, rl_validation, sft,
-    ood, spm_model, manifest).
+    ood, ood_pool, spm_model, manifest).
   """
   os.makedirs(out_dir, exist_ok=True)
   world = world_lib.make_world(seed, world_sizes)
@@ -62,10 +59,10 @@ def make_dataset(out_dir: str, seed: int = 0,
   paths["manifest"] = os.path.join(out_dir, "manifest.json")
   with open(paths["world"], "w", encoding="utf-8") as f:
     json.dump(world.to_json(), f, ensure_ascii=False)
-  _write_jsonl(paths["corpus"], corpus)
-  for name in ("rl_train", "rl_validation", "ood"):
-    _write_jsonl(paths[name], [q.to_record() for q in splits[name]])
-  _write_jsonl(paths["sft"], [t.to_record() for t in trajectories])
+  write_jsonl(paths["corpus"], corpus)
+  for name in ("rl_train", "rl_validation", "ood", "ood_pool"):
+    write_jsonl(paths[name], [q.to_record() for q in splits[name]])
+  write_jsonl(paths["sft"], [t.to_record() for t in trajectories])
 
   # The vocabulary sees what the policy reads and writes in training: documents, prompts
   # and oracle actions (evaluation questions are left out; their words are all in these).

@@ -8,6 +8,14 @@ questions are stratified by how far they leave that distribution:
     medium  3-4 hops containing a held-out bigram (an unseen composition in a long chain)
     hard    `ood_hard_hops` (default 5) hops, longer than any in-domain chain (any composition)
 
+The stratification pool (`ood_pool`) holds harder questions for the paper's BC(300) procedure
+(`scripts/stratify.py`, `scripts/compare.py`): a checkpoint's solve rate sorts them into
+Easy / Medium / Hard, so its tiers depend on the checkpoint, not on the generator. A third each:
+
+    long     3-4 hops on in-domain compositions (the longest in-domain chains, unseen questions)
+    unseen   2-4 hops containing a held-out bigram
+    longest  `ood_hard_hops` hops
+
 A question is identified by (start entity, relation path); no identity is used twice across
 all splits, so no question text appears in two splits.
 """
@@ -21,7 +29,8 @@ from pbsd_jax.data import questions as questions_lib
 from pbsd_jax.data import world as world_lib
 
 TIERS = ("easy", "medium", "hard")
-SPLITS = ("rl_train", "rl_validation", "sft", "ood")
+SPLITS = ("rl_train", "rl_validation", "sft", "ood", "ood_pool")
+POOL_KINDS = ("long", "unseen", "longest")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +40,8 @@ class SplitSizes:
   Attributes:
     rl_train, rl_validation, sft: numbers of in-domain questions.
     ood_per_tier: out-of-domain questions per tier.
+    ood_pool: questions in the stratification pool (a third of each kind, the last kinds
+      taking the remainder).
     hop_weights: in-domain sampling weights of 1, 2, ... hops.
     heldout_bigrams: relation compositions (r_a then r_b) kept out of every in-domain path.
     ood_hard_hops: chain length of the hard tier; must exceed the longest in-domain chain.
@@ -39,13 +50,14 @@ class SplitSizes:
   rl_validation: int = 200
   sft: int = 2000
   ood_per_tier: int = 100
+  ood_pool: int = 1500
   hop_weights: tuple[float, ...] = (0.3, 0.3, 0.25, 0.15)
   heldout_bigrams: tuple[tuple[str, str], ...] = (
       ("spouse", "works_for"), ("founded_by", "born_in"), ("mayor", "studied_at"))
   ood_hard_hops: int = 5
 
   def __post_init__(self):
-    for field in ("rl_train", "rl_validation", "sft", "ood_per_tier"):
+    for field in ("rl_train", "rl_validation", "sft", "ood_per_tier", "ood_pool"):
       if getattr(self, field) < 0:
         raise ValueError(f"SplitSizes.{field} must be >= 0, got {getattr(self, field)}")
     if not self.hop_weights or min(self.hop_weights) < 0 or sum(self.hop_weights) <= 0:
@@ -113,10 +125,12 @@ class _Sampler:
 
 def make_splits(world: world_lib.World, seed: int, sizes: SplitSizes = SplitSizes()
                ) -> dict[str, list[questions_lib.Question]]:
-  """The four splits `{"rl_train", "rl_validation", "sft", "ood"}`, deterministic in `seed`.
+  """The splits of `SPLITS`, deterministic in `seed`.
 
   RL train, RL validation and SFT are one in-domain pool, shuffled and cut, so they share a
-  hop distribution. OOD questions are listed tier by tier (easy, medium, hard).
+  hop distribution. OOD questions are listed tier by tier (easy, medium, hard), the
+  stratification pool kind by kind (`POOL_KINDS`, each question's `tier`); it is drawn last,
+  so the other splits do not depend on its size.
   """
   rng = random.Random(seed)
   heldout = frozenset(sizes.heldout_bigrams)
@@ -142,6 +156,16 @@ def make_splits(world: world_lib.World, seed: int, sizes: SplitSizes = SplitSize
     weights = {h: 1.0 for h in tier_paths[tier]}
     splits["ood"] += sampler.draw(sizes.ood_per_tier, tier_paths[tier], weights, tier,
                                   f"ood tier {tier!r}")
+  kind_paths = {
+      "long": {h: in_domain[h] for h in (3, 4) if h in in_domain},
+      "unseen": {h: [p for p in all_paths[h] if _has_heldout(p, heldout)] for h in (2, 3, 4)},
+      "longest": tier_paths["hard"],
+  }
+  splits["ood_pool"] = []
+  for i, kind in enumerate(POOL_KINDS):
+    n = sizes.ood_pool // 3 + (i >= 3 - sizes.ood_pool % 3)
+    splits["ood_pool"] += sampler.draw(n, kind_paths[kind], {h: 1.0 for h in kind_paths[kind]},
+                                       kind, f"ood_pool kind {kind!r}")
 
   texts = [q.question for split in splits.values() for q in split]
   if len(set(texts)) != len(texts):
