@@ -36,12 +36,14 @@ def get_config() -> ml_collections.ConfigDict:
                                           eval_files="", sft_files="", corpus="",
                                           chat_template=True))
 
-  # Environment: `retriever` is "ingraph" (BM25Index, whole step in one jit), "host" (the
-  # same index through the host turn loop), "bm25s" (a host bm25s index: `index_dir` from
+  # Environment: `retriever` is "ingraph" (a device BM25 index, whole step in one jit), "host"
+  # (the same index through the host turn loop), "bm25s" (a host bm25s index: `index_dir` from
   # scripts/build_index.py, else built from data.corpus) or "http" (a Search-R1 retrieval
-  # server at `url`).
+  # server at `url`). The device index is `index` "dense" (a [V, N] weight matrix: small
+  # corpora) or "sparse" (CSR postings, one shard per device), or the sparse index that
+  # `scripts/build_index.py --tokenizer` saved in `index_dir`.
   c.env = ml_collections.ConfigDict(dict(
-      retriever="ingraph", url="", timeout_s=10.0, max_retries=3, index_dir="",
+      retriever="ingraph", url="", timeout_s=10.0, max_retries=3, index_dir="", index="dense",
       buffer_size=640, max_turns=7, max_action_tokens=48, max_observation_tokens=44,
       max_query_tokens=12, top_k=1))
 

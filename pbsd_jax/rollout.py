@@ -15,7 +15,7 @@ full, the episode ends as truncated. The rules on tokens (`AgentEnv`, `classify_
 drives the sampler through them.
 
 Two compositions of the same jitted pieces (`_act`, `_observe`):
-  * `ingraph_rollout`: the retriever is a device-resident `BM25Index`, so the whole episode,
+  * `ingraph_rollout`: the retriever is a device-resident BM25 index, so the whole episode,
     turn loop included, is one XLA program;
   * `host_rollout`: a Python turn loop that calls any `Retriever` between the jitted pieces.
 """
@@ -36,6 +36,7 @@ from pbsd_jax.env import actions, observations
 from pbsd_jax.env.agent_env import (KIND_ANSWER, KIND_EOS, KIND_SEARCH, AgentEnv,
                                     assemble_observation, classify_turn)
 from pbsd_jax.env.bm25 import BM25Index
+from pbsd_jax.env.sparse_bm25 import SparseBM25Index
 from pbsd_jax.env.retriever import Document, RetrievalError
 from pbsd_jax.env.token_text import TokenText, answer_match, classify_bytes, turn_bytes
 from pbsd_jax.sampling import DecodeState, Sampler, STOP_BUFFER_FULL
@@ -255,11 +256,12 @@ def _group_ids(b: int, group_ids: Array | None) -> Array:
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def ingraph_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array,
-                    prompt_mask: Array, rng: Array, index: BM25Index, gold: Array,
+                    prompt_mask: Array, rng: Array, index: BM25Index | SparseBM25Index,
+                    gold: Array,
                     group_ids: Array | None = None, forced: Array | None = None,
                     forced_length: Array | None = None, gold_docs: Array | None = None,
                     text: TokenText | None = None) -> Rollout:
-  """The whole multi-turn rollout as one XLA program, retrieving from a `BM25Index`.
+  """The whole multi-turn rollout as one XLA program, retrieving from a device index.
 
   Args:
     sampler: sampling settings (static).
@@ -267,7 +269,7 @@ def ingraph_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array,
     params: policy parameters.
     prompts: `i32[B, P]` left-padded prompts; `prompt_mask: bool[B, P]`.
     rng: PRNG key (turn k uses `fold_in(rng, k)`).
-    index: the device-resident BM25 index.
+    index: the device-resident BM25 index (`BM25Index` or `SparseBM25Index`).
     gold: `i32[B, G, L]` tokenised gold answers (-1 padded) for the token-level reward;
       with text tags their normalised bytes (`batch.gold_text_batch`) for the text-level one.
     group_ids: `i32[B]` (default: each row its own group).
@@ -291,8 +293,8 @@ def ingraph_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array,
     ep, kind, query = _act(sampler, env, params, ep, jax.random.fold_in(rng, turn), turn,
                            *(f or (None, None)), text=text, gold=gold)
     _, doc_ids = index.search(query, env.top_k)
-    docs = index.doc_tokens[doc_ids]  # [B, k, L]
-    ep = _observe(sampler, env, params, ep, kind, turn, docs, index.doc_lengths[doc_ids],
+    docs, lengths = index.documents(doc_ids)  # [B, k, L], [B, k]
+    ep = _observe(sampler, env, params, ep, kind, turn, docs, lengths,
                   jnp.zeros(kind.shape, bool), doc_ids[:, 0])
     return ep, turn + 1
 

@@ -222,6 +222,8 @@ def validate(config, num_devices: int | None = None) -> None:
           f"must be one of {sorted(protocol.PROMPT_TEMPLATES)}")
   if config.env.retriever not in RETRIEVERS:
     _fail("env.retriever", config.env.retriever, f"must be one of {RETRIEVERS}")
+  if config.env.index not in ("dense", "sparse"):
+    _fail("env.index", config.env.index, "must be 'dense' or 'sparse'")
   if config.env.retriever != "ingraph" and jax.process_count() > 1:
     _fail("env.retriever", config.env.retriever, "must be 'ingraph' in a multi-process run "
           "(a host retriever's turn loop reads every row of the batch on one host)")

@@ -20,12 +20,13 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from pbsd_jax import policy_checkpoint, run_config
+from pbsd_jax import policy_checkpoint, run_config, sharding
 from pbsd_jax.batch import forced_batch, prompt_region, reward_gold
 from pbsd_jax.credit_quality import gold_doc_batch
 from pbsd_jax.env import protocol
 from pbsd_jax.env.agent_env import AgentEnv
 from pbsd_jax.env.bm25 import BM25Index
+from pbsd_jax.env.sparse_bm25 import INDEX_FILE as SPARSE_INDEX_FILE, SparseBM25Index
 from pbsd_jax.models import ModelConfig, init_params
 from pbsd_jax.rollout import ingraph_rollout
 from pbsd_jax.sampling import Sampler
@@ -45,8 +46,8 @@ class Task:
     env: the environment settings.
     retriever: the `Retriever` host rollouts call: the token BM25 over the corpus, a `bm25s`
       index or a retrieval server.
-    index: the device `BM25Index` in-graph rollouts search, None where there is none (a
-      `bm25s` or HTTP retriever).
+    index: the device index in-graph rollouts search (`BM25Index`, or `SparseBM25Index`:
+      `config.env.index`), None where there is none (a `bm25s` or HTTP retriever).
     splits: records by split: `rl_train`, `rl_validation`, `sft` (and `ood` in the embedded
       task).
     chat: renders a user message as the model's prompt (its chat template), or None.
@@ -56,7 +57,7 @@ class Task:
   vocab: Any
   env: AgentEnv
   retriever: Any
-  index: BM25Index | None
+  index: BM25Index | SparseBM25Index | None
   splits: dict[str, list[dict]]
   chat: Callable[[str], str] | None = None
   text: Any = None
@@ -234,10 +235,8 @@ def prepare_task(config, workdir: str) -> Task:
     # any retriever (its SFT replays and evaluation search in-graph, as in training).
     if kind in ("ingraph", "host") or not user_data:
       ids, contents = read_corpus(corpus)
-      retriever = TokenBM25Retriever.from_texts(
-          contents, lambda t: list(vocab.encode(t)), vocab.vocab_size, ids=ids,
-          ignore_ids=vocab_lib.non_term_ids(vocab))
-      index = retriever.index
+      index = _token_index(config, kind, ids, contents, vocab)
+      retriever = TokenBM25Retriever(index, lambda t: list(vocab.encode(t)), contents, ids)
     if kind == "bm25s":
       retriever = (HostBM25Retriever.load(config.env.index_dir) if config.env.index_dir
                    else HostBM25Retriever.from_jsonl(corpus))
@@ -248,12 +247,35 @@ def prepare_task(config, workdir: str) -> Task:
   except (FileNotFoundError, ValueError) as err:
     if isinstance(err, run_config.ConfigError):
       raise
-    field = "env.index_dir" if kind == "bm25s" and config.env.index_dir else "data.corpus"
+    field = "env.index_dir" if config.env.index_dir and kind != "http" else "data.corpus"
     raise run_config.ConfigError(f"config.{field}: {err}") from None
   task = Task(vocab, env, retriever, index, splits, chat, text)
   if user_data:
     _check_prompts(task, config)
   return task
+
+
+def _token_index(config, kind: str, ids: list[str], contents: list[str], vocab: Any
+                 ) -> BM25Index | SparseBM25Index:
+  """The in-graph index of the corpus: `config.env.index_dir`'s sparse index
+  (`scripts/build_index.py --tokenizer`) for the `ingraph` and `host` retrievers, else built
+  here (`config.env.index`: dense, or sparse with a shard per device). A sparse index is
+  placed shard by shard over every device of the run's mesh."""
+  from pbsd_jax import vocab as vocab_lib
+  from pbsd_jax.env.token_retriever import build_index
+  saved = os.path.join(config.env.index_dir, SPARSE_INDEX_FILE)
+  if config.env.index_dir and kind in ("ingraph", "host"):
+    index = SparseBM25Index.load(saved)
+    if index.num_docs != len(contents):
+      raise ValueError(f"{saved} indexes {index.num_docs} documents, the corpus has "
+                       f"{len(contents)}")
+  else:
+    index = build_index(contents, lambda t: list(vocab.encode(t)), vocab.vocab_size, ids,
+                        ignore_ids=vocab_lib.non_term_ids(vocab),
+                        sparse_shards=jax.device_count() if config.env.index == "sparse" else 0)
+  if isinstance(index, SparseBM25Index):
+    index = index.shard(run_config.build_mesh(config), sharding.MESH_AXES)
+  return index
 
 
 def _check_prompts(task: Task, config) -> None:

@@ -11,6 +11,7 @@ import pytest
 
 from pbsd_jax.env import protocol
 from pbsd_jax.env.bm25 import BM25Index
+from pbsd_jax.env.sparse_bm25 import SparseBM25Index
 from pbsd_jax.env.token_retriever import TokenBM25Retriever
 
 DOCS = [[1, 2, 3, 3], [2, 4], [5, 5, 5, 1], [2, 2], [7]]
@@ -51,9 +52,10 @@ def test_weights_equal_hand_computed_lucene_formula():
   np.testing.assert_allclose(index.weights, expected, rtol=1e-6)
 
 
-def assert_same_ranking_as_bm25s(docs, vocab_size, queries, k=10):
-  """Our scores and top-k equal bm25s's on `docs`; returns how many ranks had no tie."""
-  index = BM25Index.build(docs, vocab_size=vocab_size)
+def assert_same_ranking_as_bm25s(docs, vocab_size, queries, k=10, index=None):
+  """Our scores and top-k (of `index`, by default the dense index of `docs`) equal bm25s's
+  on `docs`; returns how many ranks had no tie."""
+  index = BM25Index.build(docs, vocab_size=vocab_size) if index is None else index
   reference = bm25s_index(docs)
   width = max(len(q) for q in queries)
   padded = np.array([q + [-1] * (width - len(q)) for q in queries], dtype=np.int32)
@@ -194,3 +196,79 @@ def test_token_retriever_indexes_escaped_documents_without_tag_tokens():
   row = np.asarray(retriever.index.doc_tokens[2][:int(retriever.index.doc_lengths[2])])
   tag_ids = {encode(tag)[0] for tag in protocol.TAGS}
   assert not tag_ids & set(row.tolist())
+
+
+# --- the sparse index ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shards, chunk", [(1, 128), (3, 2), (7, 1), (60, 3)])
+def test_sparse_index_scores_and_ranks_as_the_dense_index(shards, chunk):
+  # Several chunks per term, shards of one document, a last shard padded with empty ones.
+  docs = random_corpus(seed=2) + [[]]
+  dense = BM25Index.build(docs, vocab_size=50, ignore_ids=[0])
+  sparse = SparseBM25Index.build(docs, vocab_size=50, ignore_ids=[0], num_shards=shards,
+                                 chunk=chunk)
+  rng = np.random.default_rng(3)
+  queries = rng.integers(0, 50, (12, 6))
+  queries[rng.random(queries.shape) < 0.2] = -1
+  queries[0] = [3, 3, 7, 3, 60, -4]  # repeats, ids outside [0, V)
+  queries[1] = -1  # an empty query: every score 0, ids in order
+  np.testing.assert_allclose(sparse.scores(queries), dense.scores(queries), rtol=1e-6,
+                             atol=1e-7)
+  search = jax.jit(lambda index, q: index.search(q, 8))
+  (want_scores, want_ids), (got_scores, got_ids) = search(dense, queries), search(sparse, queries)
+  np.testing.assert_allclose(got_scores, want_scores, rtol=1e-6, atol=1e-7)
+  np.testing.assert_array_equal(got_ids, want_ids)
+  np.testing.assert_array_equal(got_ids[1], np.arange(8))
+  for got, want in zip(sparse.documents(got_ids), dense.documents(got_ids)):
+    np.testing.assert_array_equal(got, want)
+
+
+def _docstrings():
+  """Real English text: the docstrings of some of Python's standard library."""
+  import argparse, collections, email.message, functools, inspect, json, logging, os, pathlib
+  import subprocess, threading, typing, urllib.parse  # noqa: E401
+  texts = []
+  for module in (argparse, collections, email.message, functools, inspect, json, logging, os,
+                 pathlib, subprocess, threading, typing, urllib.parse):
+    for name in sorted(dir(module)):
+      doc = getattr(getattr(module, name), "__doc__", None)
+      if isinstance(doc, str) and len(doc) > 80:
+        texts.append(doc)
+  return sorted(set(texts))
+
+
+def test_sharded_sparse_index_ranks_real_text_as_bm25s_lucene():
+  from pbsd_jax import sharding
+  texts = _docstrings()
+  vocab = {}
+  encode = lambda text: [vocab.setdefault(w, len(vocab)) for w in re.findall(r"\w+",
+                                                                            text.lower())]
+  docs = [encode(t) for t in texts]
+  assert len(docs) > 400
+  mesh = sharding.make_mesh(2, 4, 1)
+  index = SparseBM25Index.build(docs, len(vocab), num_shards=16, chunk=64).shard(
+      mesh, sharding.MESH_AXES)
+  # Each device holds two of the 16 shards, and the postings are the non-zeros (shards padded
+  # to the fullest one), not [V, N].
+  assert {s.data.shape[0] for s in index.postings.addressable_shards} == {2}
+  nonzeros = sum(len(set(d)) for d in docs)
+  assert int((index.postings >= 0).sum()) == nonzeros
+  assert index.postings.size < 2 * nonzeros < len(vocab) * len(docs) / 20
+  rng = np.random.default_rng(0)
+  queries = [encode(" ".join(rng.choice(re.findall(r"\w+", t), 4))) for t in texts[::25]]
+  queries += [encode("return the path of a file"), encode("thread lock acquire release")]
+  num_untied = assert_same_ranking_as_bm25s(docs, len(vocab), queries, index=index)
+  assert num_untied > 5 * len(queries)
+
+
+def test_sparse_index_saves_and_loads(tmp_path):
+  index = SparseBM25Index.build(random_corpus(seed=4), vocab_size=50, num_shards=2, chunk=4)
+  index.save(str(tmp_path / "index.npz"))
+  loaded = SparseBM25Index.load(str(tmp_path / "index.npz"))
+  assert (loaded.docs_per_shard, loaded.doc_width, loaded.chunk) == (
+      index.docs_per_shard, index.doc_width, 4)
+  jax.tree.map(np.testing.assert_array_equal, loaded, index)
+  np.savez(tmp_path / "other.npz", weights=np.zeros(3))
+  with pytest.raises(ValueError, match="not a sparse BM25 index"):
+    SparseBM25Index.load(str(tmp_path / "other.npz"))

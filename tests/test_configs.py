@@ -99,6 +99,7 @@ def test_command_line_overrides_reach_the_algorithm():
     ("--config.rl.max_skipped_steps=-1", "config.rl.max_skipped_steps"),
     ("--config.rl.save_rollouts=-1", "config.rl.save_rollouts"),
     ("--config.pbsd.replay_routing=True", "config.pbsd.replay_routing"),  # a dense model
+    ("--config.env.index=csr", "config.env.index"),
     # The retrieval client's settings, whichever retriever is chosen.
     ("--config.env.timeout_s=0.0", "config.env.timeout_s"),
     ("--config.env.max_retries=-1", "config.env.max_retries"),

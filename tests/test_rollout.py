@@ -383,3 +383,40 @@ def test_moe_rollouts_record_the_routes_that_replayed_evidence_reads(kg, setup):
                              np.asarray(fresh.logp_student)[act], rtol=1e-5, atol=1e-5)
   gap = np.abs(np.asarray(replayed.logp_teacher) - np.asarray(fresh.logp_teacher))[act]
   assert gap.max() > 1e-3
+
+
+def test_the_sparse_index_of_build_index_is_what_the_in_graph_run_searches(kg, setup,
+                                                                          tmp_path):
+  # scripts/build_index.py --tokenizer writes it, prepare_task loads it (env.index_dir) and
+  # places its shards on the 8 devices, and in-graph rollouts replaying the oracle's searches
+  # see the observations the dense index gives.
+  import os
+  import subprocess
+  import sys
+  from pbsd_jax import task as task_lib
+  from pbsd_jax.env.sparse_bm25 import SparseBM25Index
+  from test_configs import load
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  done = subprocess.run(
+      [sys.executable, os.path.join(root, "scripts", "build_index.py"),
+       f"--corpus={kg.paths['corpus']}", f"--out={tmp_path / 'index'}",
+       f"--tokenizer={kg.paths['spm_model']}", "--shards=8"],
+      capture_output=True, text=True, timeout=300, env={**os.environ, "XLA_FLAGS": ""})
+  assert done.returncode == 0, done.stderr[-2000:]
+  config = load("pbsd", f"--config.data.dir={os.path.dirname(kg.paths['spm_model'])}",
+                f"--config.env.index_dir={tmp_path / 'index'}")
+  task = task_lib.prepare_task(config, str(tmp_path / "run"))
+  index = task.index
+  assert isinstance(index, SparseBM25Index) and index.num_docs == len(kg.corpus)
+  assert len({s.device for s in index.postings.addressable_shards}) == 8
+  records = kg.records("sft")[:6]
+  env, sampler, params = setup
+  tokens, mask = _prompts(kg, records)
+  gold = _gold(kg, [r["golden_answers"] for r in records])
+  forced = _forced(kg, [r["actions"] for r in records])
+  sparse = ingraph_rollout(sampler, env, params, tokens, mask, jax.random.key(0), index, gold,
+                           None, *forced)
+  dense = ingraph_rollout(sampler, env, params, tokens, mask, jax.random.key(0),
+                          kg.retriever.index, gold, None, *forced)
+  _assert_same_rollout(sparse, dense)
+  assert int(sparse.searches.sum()) >= 6 and bool((sparse.reward == 1).all())

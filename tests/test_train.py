@@ -237,10 +237,12 @@ def test_sft_teacher_fraction_trains_those_rows_on_the_privileged_prompt(kg):
 def test_replayed_routing_trains_an_moe_model_from_the_sampler_routes(kg, tmp_path):
   # The evidence pass fails without the sampler's routes (`evidence.replayed_routes`), so a
   # finished step means the rollout recorded them and the learner read them;
-  # tests/test_rollout.py checks what they change.
+  # tests/test_rollout.py checks what they change. The in-graph rollout searches the sparse
+  # index here (`env.index`), also checked there.
   workdir = str(tmp_path)
   _train(workdir, os.path.dirname(kg.paths["spm_model"]), "--config.model.name=micro-moe",
-         "--config.rl.steps=1", "--config.pbsd.replay_routing=True")
+         "--config.rl.steps=1", "--config.pbsd.replay_routing=True",
+         "--config.env.index=sparse")
   (row,) = [r for r in _metrics(workdir) if r["stage"] == "rl"]
   assert row["mean_action_tokens"] > 0 and row["credit/mean_abs_evidence"] > 0
   assert np.isfinite(row["loss"]) and np.isfinite(row["grad_norm"])

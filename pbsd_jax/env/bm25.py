@@ -15,8 +15,9 @@ document before counting, so they change neither `tf`, `|d|` nor `avgdl`, and we
 
 The index stores the dense weight matrix `w[V, N]`, so a search is a gather of the query's rows
 and a sum: `scores = bag_of_query_tokens[Q, V] @ w[V, N]` without materialising the bag. Dense is
-right for the embedded corpus (thousands of documents, a few thousand vocabulary entries); large
-corpora belong to the host retriever (`host_bm25.py`).
+right for the embedded corpus (thousands of documents, a few thousand vocabulary entries); a
+large corpus takes `sparse_bm25.SparseBM25Index` (the same scores from CSR postings, sharded
+over devices) or the host retriever (`host_bm25.py`).
 
 Ties are broken by `lax.top_k`: among equal scores the lower document index comes first.
 """
@@ -73,16 +74,7 @@ class BM25Index:
     Returns:
       The index, with `weights f32[V, N]`, `doc_tokens i32[N, max(1, max |d|)]`, `doc_lengths`.
     """
-    if not doc_token_ids:
-      raise ValueError("doc_token_ids is empty: a BM25 index needs at least one document")
-    if vocab_size < 1:
-      raise ValueError(f"vocab_size must be positive, got {vocab_size}")
-    docs = [np.asarray(d, dtype=np.int64).reshape(-1) for d in doc_token_ids]
-    for i, d in enumerate(docs):
-      if d.size and (d.min() < 0 or d.max() >= vocab_size):
-        bad = int(d[(d < 0) | (d >= vocab_size)][0])
-        raise ValueError(f"doc_token_ids[{i}] contains token id {bad} outside "
-                         f"[0, vocab_size={vocab_size})")
+    docs = check_documents(doc_token_ids, vocab_size)
     weights = bm25_weights(docs, vocab_size, k1, b, ignore_ids)
     lengths = np.array([d.size for d in docs], dtype=np.int32)
     doc_tokens = np.full((len(docs), max(1, int(lengths.max()))), -1, dtype=np.int32)
@@ -120,10 +112,33 @@ class BM25Index:
     scores, doc_ids = jax.lax.top_k(self.scores(query_token_ids), k)
     return scores, doc_ids.astype(jnp.int32)
 
+  def documents(self, doc_ids: Array) -> tuple[Array, Array]:
+    """The tokens of documents `doc_ids: i32[...]`: `(i32[..., Ldoc]` right-padded with -1,
+    `i32[...]` lengths)."""
+    return self.doc_tokens[doc_ids], self.doc_lengths[doc_ids]
 
-def bm25_weights(docs: Sequence[np.ndarray], vocab_size: int, k1: float, b: float,
-                 ignore_ids: Sequence[int] = ()) -> np.ndarray:
-  """The dense BM25 weight matrix `f32[V, N]` of the module docstring (host, numpy).
+
+def check_documents(doc_token_ids: Sequence[Sequence[int]], vocab_size: int
+                    ) -> list[np.ndarray]:
+  """The documents as int arrays; an empty corpus, a bad `vocab_size` or an id outside
+  `[0, vocab_size)` raises a `ValueError` naming the document."""
+  if not len(doc_token_ids):
+    raise ValueError("doc_token_ids is empty: a BM25 index needs at least one document")
+  if vocab_size < 1:
+    raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+  docs = [np.asarray(d, dtype=np.int64).reshape(-1) for d in doc_token_ids]
+  for i, d in enumerate(docs):
+    if d.size and (d.min() < 0 or d.max() >= vocab_size):
+      bad = int(d[(d < 0) | (d >= vocab_size)][0])
+      raise ValueError(f"doc_token_ids[{i}] contains token id {bad} outside "
+                       f"[0, vocab_size={vocab_size})")
+  return docs
+
+
+def bm25_postings(docs: Sequence[np.ndarray], vocab_size: int, k1: float, b: float,
+                  ignore_ids: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """The non-zero BM25 weights of the module docstring (host, numpy, computed in float64):
+  `(token, doc, f32 weight)`, sorted by token, then document.
 
   Args:
     docs: `N` int arrays of token ids in `[0, vocab_size)`.
@@ -143,8 +158,15 @@ def bm25_weights(docs: Sequence[np.ndarray], vocab_size: int, k1: float, b: floa
   token, doc = pairs // num_docs, pairs % num_docs
   df = np.bincount(token, minlength=vocab_size).astype(np.float64)
   idf = np.log1p((num_docs - df + 0.5) / (df + 0.5))
-  weights = np.zeros((vocab_size, num_docs), dtype=np.float64)
-  if pairs.size:
-    norm = k1 * (1.0 - b + b * lengths[doc] / avgdl)
-    weights[token, doc] = idf[token] * tf / (tf + norm)
-  return weights.astype(np.float32)
+  norm = k1 * (1.0 - b + b * lengths[doc] / avgdl)
+  return token, doc, (idf[token] * tf / (tf + norm)).astype(np.float32)
+
+
+def bm25_weights(docs: Sequence[np.ndarray], vocab_size: int, k1: float, b: float,
+                 ignore_ids: Sequence[int] = ()) -> np.ndarray:
+  """The dense BM25 weight matrix `f32[V, N]` of the module docstring (host, numpy; arguments
+  as `bm25_postings`)."""
+  token, doc, weight = bm25_postings(docs, vocab_size, k1, b, ignore_ids)
+  weights = np.zeros((vocab_size, len(docs)), dtype=np.float32)
+  weights[token, doc] = weight
+  return weights

@@ -1,4 +1,5 @@
-"""A text `Retriever` over the in-graph `BM25Index`, so the host loop can use the same index.
+"""A text `Retriever` over the in-graph index (`BM25Index`, or `SparseBM25Index` for a large
+corpus), so the host loop can use the same index.
 
 Queries are encoded with the policy's tokenizer and scored by the same jitted `search` the
 in-graph rollout runs, so host and in-graph compositions retrieve identical documents for
@@ -14,13 +15,26 @@ import jax
 import numpy as np
 
 from pbsd_jax.env.bm25 import BM25Index
+from pbsd_jax.env.sparse_bm25 import SparseBM25Index
 from pbsd_jax.env.observations import format_document
 from pbsd_jax.env.retriever import Document, check_k
 
 
 @functools.partial(jax.jit, static_argnames="k")
-def _search(index: BM25Index, query_token_ids: jax.Array, k: int):
+def _search(index: BM25Index | SparseBM25Index, query_token_ids: jax.Array, k: int):
   return index.search(query_token_ids, k)
+
+
+def build_index(contents: Sequence[str], encode: Callable[[str], list[int]], vocab_size: int,
+                ids: Sequence[str], sparse_shards: int = 0, **settings
+                ) -> BM25Index | SparseBM25Index:
+  """The in-graph index of documents `contents` (ids `ids`) rendered for observations
+  (`TokenBM25Retriever.from_texts`); `settings`: k1, b, ignore_ids."""
+  tokens = [encode(format_document(Document(id=i, contents=c, score=0.0)))
+            for i, c in zip(ids, contents)]
+  if sparse_shards:
+    return SparseBM25Index.build(tokens, vocab_size, num_shards=sparse_shards, **settings)
+  return BM25Index.build(tokens, vocab_size, **settings)
 
 
 def _bucket(n: int) -> int:
@@ -28,9 +42,10 @@ def _bucket(n: int) -> int:
 
 
 class TokenBM25Retriever:
-  """`Retriever` over a `BM25Index` whose document `i` has text `contents[i]` and id `ids[i]`."""
+  """`Retriever` over an in-graph index whose document `i` has text `contents[i]` and id
+  `ids[i]`."""
 
-  def __init__(self, index: BM25Index, encode: Callable[[str], list[int]],
+  def __init__(self, index: BM25Index | SparseBM25Index, encode: Callable[[str], list[int]],
                contents: Sequence[str], ids: Sequence[str] | None = None):
     """Wraps an index.
 
@@ -52,17 +67,17 @@ class TokenBM25Retriever:
   @classmethod
   def from_texts(cls, contents: Sequence[str], encode: Callable[[str], list[int]],
                  vocab_size: int, ids: Sequence[str] | None = None, k1: float = 1.5,
-                 b: float = 0.75, ignore_ids: Sequence[int] = ()) -> "TokenBM25Retriever":
-    """Builds the index from each document's observation rendering.
+                 b: float = 0.75, ignore_ids: Sequence[int] = (), sparse_shards: int = 0
+                 ) -> "TokenBM25Retriever":
+    """Builds the index from each document's observation rendering: a `BM25Index`, or with
+    `sparse_shards > 0` a `SparseBM25Index` of that many shards.
 
     Document `i` is indexed (and, in-graph, shown) as `encode(format_document(doc_i))`, the
     escaped compact form, so an in-graph observation equals the host one token for token.
     """
     ids = [str(i) for i in range(len(contents))] if ids is None else list(ids)
-    docs = [Document(id=i, contents=c, score=0.0) for i, c in zip(ids, contents)]
-    index = BM25Index.build([encode(format_document(d)) for d in docs], vocab_size, k1=k1, b=b,
-                            ignore_ids=ignore_ids)
-    return cls(index, encode, contents, ids)
+    return cls(build_index(contents, encode, vocab_size, ids, k1=k1, b=b, ignore_ids=ignore_ids,
+                           sparse_shards=sparse_shards), encode, contents, ids)
 
   def retrieve_ids(self, query_token_ids: Sequence[Sequence[int]],
                    k: int) -> list[list[Document]]:
