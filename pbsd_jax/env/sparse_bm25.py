@@ -9,10 +9,10 @@ form per shard of documents:
     weights:  f32[S, P]      their BM25 weights
 
 `P` is the most postings of any shard, so memory is the non-zeros (plus `V` per shard), not
-`V x N`. A search walks, for every query, its terms' postings in windows of `chunk` entries:
-a `lax.while_loop` whose trip count is the most windows any query of the batch needs (a traced
-value), each step scattering one window per query into that query's `[N / S]` scores; a
-repeated query token is walked once per occurrence. Each shard then takes its own top-k, and
+`V x N`. A search walks the batch's postings in windows of `chunk` entries: the windows of
+every (query, token) pair form one list, and a `lax.while_loop` (its trip count a traced value)
+takes Q of them per step, scattering each into its query's `[N / S]` scores; a repeated query
+token is walked once per occurrence. Each shard then takes its own top-k, and
 the `S x k` candidates are merged by a second top-k. `shard` places the shards on devices:
 every device then walks and ranks its own (`jax.shard_map`) and only the candidates are
 gathered.
@@ -37,8 +37,11 @@ Array = jax.Array
 
 # The file `save` writes in an index directory (`scripts/build_index.py --tokenizer`).
 INDEX_FILE = "sparse_bm25.npz"
-# Postings per window: the search loop's work per query and step.
-CHUNK = 128
+# Postings per window: the search loop's work per lane and step. On CPU a step's fixed cost
+# outweighs its scatter until windows are thousands of postings long (benchmarks/ours_bm25.py:
+# 18 queries/s at 32, 457 at 8192, 20K documents); reading a window past a short list costs
+# nothing in memory.
+CHUNK = 4096
 _FIELDS = ("indptr", "postings", "weights", "doc_flat", "doc_offsets")
 
 
@@ -130,30 +133,33 @@ class SparseBM25Index:
 
   def _shard_scores(self, indptr: Array, postings: Array, weights: Array,
                     queries: Array) -> Array:
-    """`f32[Q, docs_per_shard]` scores of one shard's documents for `queries: i32[Q, L]`."""
-    q, _ = queries.shape
-    valid = (queries >= 0) & (queries < self.vocab_size)
-    term = jnp.where(valid, queries, 0)
+    """`f32[Q, docs_per_shard]` scores of one shard's documents for `queries: i32[Q, L]`.
+
+    The windows of every (query, token) pair form one list; each loop step takes the next Q
+    of them (a window each per lane), so a batch costs its total number of windows over Q
+    steps, whatever the queries' mix of common and rare terms."""
+    q, width = queries.shape
+    valid = ((queries >= 0) & (queries < self.vocab_size)).reshape(-1)
+    term = jnp.where(valid, queries.reshape(-1), 0)
     begin = jnp.where(valid, indptr[term], 0)
     end = jnp.where(valid, indptr[term + 1], 0)
-    windows = -(-(end - begin) // self.chunk)  # [Q, L] per query token
-    ends = jnp.cumsum(windows, axis=1)  # the query's i-th window is in its first token j
-    total = ends[:, -1]                 # with ends[j] > i
-    rows = jnp.arange(q)
+    windows = -(-(end - begin) // self.chunk)  # [Q * L] per (query, token)
+    ends = jnp.cumsum(windows)  # window g belongs to the first pair j with ends[j] > g
+    lanes = jnp.arange(q)
 
     def body(carry):
       i, scores = carry
-      j = jnp.minimum(jnp.sum(ends <= i, axis=1), queries.shape[1] - 1)
-      first = begin[rows, j] + (i - ends[rows, j] + windows[rows, j]) * self.chunk
-      at = first[:, None] + jnp.arange(self.chunk)
-      live = (at < end[rows, j][:, None]) & (i < total)[:, None]
+      g = i * q + lanes
+      j = jnp.minimum(jnp.sum(ends[None, :] <= g[:, None], axis=1), q * width - 1)
+      at = (begin[j] + (g - ends[j] + windows[j]) * self.chunk)[:, None] + jnp.arange(self.chunk)
+      live = (at < end[j][:, None]) & (g < ends[-1])[:, None]
       at = jnp.minimum(at, postings.shape[0] - 1)
       docs = jnp.where(live, postings[at], self.docs_per_shard)  # out of range: dropped
-      scores = scores.at[rows[:, None], docs].add(weights[at], mode="drop")
+      scores = scores.at[(j // width)[:, None], docs].add(weights[at], mode="drop")
       return i + 1, scores
 
     start = (jnp.int32(0), jnp.zeros((q, self.docs_per_shard), jnp.float32))
-    return jax.lax.while_loop(lambda c: c[0] < jnp.max(total), body, start)[1]
+    return jax.lax.while_loop(lambda c: c[0] * q < ends[-1], body, start)[1]
 
   def scores(self, query_token_ids: Array) -> Array:
     """`f32[Q, N]` BM25 scores (as `BM25Index.scores`; ids outside `[0, V)` are ignored)."""
