@@ -11,7 +11,8 @@ once: greedy and top-p (`config.eval`, `--samples` per question) on the first
 `config.eval.num_examples` validation questions and on out-of-domain tiers: the `--ood`
 question file (tiers as `scripts/stratify.py` writes them), or else the paper's BC(300)
 procedure on `--ood_pool` (the embedded task's `ood_pool` split by default): the shared SFT
-checkpoint samples every pool question `--ood_samples` times (`config.eval`), and
+checkpoint samples every pool question `--ood_samples` times (`--ood_sampling`: as it trains,
+`config.rollout`, the paper's five runs of its agent; or `config.eval`), and
 `--ood_per_tier` questions of each tier (Easy: always solved, Hard: never, Medium: the rest)
 become `<workdir>/ood_tiers.jsonl` (`evaluate.stratified_subset`). Everything resumes:
 re-running skips finished runs and evaluations (a split added later is evaluated alone). `--results` (default `docs/results.md`) gets the tables and its PNGs go beside
@@ -51,6 +52,9 @@ _OOD_POOL = flags.DEFINE_string("ood_pool", "ood_pool", "Without --ood: the spli
                                 "file to stratify by the SFT checkpoint ('' for no OOD).")
 _OOD_SAMPLES = flags.DEFINE_integer("ood_samples", 5, "Samples per pool question.")
 _OOD_PER_TIER = flags.DEFINE_integer("ood_per_tier", 100, "Pool questions drawn per tier.")
+_OOD_SAMPLING = flags.DEFINE_enum("ood_sampling", "rollout", ["rollout", "eval"],
+                                  "The pool's samples: the agent as it trains (config.rollout) "
+                                  "or the top-p evaluation (config.eval).")
 _RESULTS = flags.DEFINE_string("results", "docs/results.md", "The results page to write.")
 _FORCE_RESUME = flags.DEFINE_bool("force_resume", False, "As in scripts/train.py.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 64, "Evaluation rollout rows per call.")
@@ -174,13 +178,12 @@ def ood_tiers(path, pool, config, task, model, params):
   and read back from `path` after."""
   import tqdm
 
-  from pbsd_jax import evaluate, jsonl
+  from pbsd_jax import evaluate, jsonl, run_config
   from pbsd_jax.data.records import read_records
-  from pbsd_jax.sampling import Sampler
 
   if os.path.exists(path):
     return read_records(path)
-  sampler = Sampler(model, temperature=config.eval.temperature, top_p=config.eval.top_p)
+  sampler = run_config.build_sampler(config, model, _OOD_SAMPLING.value)
   try:
     rows, summary = evaluate.stratified_subset(
         sampler, task.env, params, pool, **task.rollout_args, num_samples=_OOD_SAMPLES.value,

@@ -3,8 +3,9 @@ r"""Difficulty tiers by a checkpoint's solve rate, and a balanced subset (the pa
   python scripts/stratify.py --config=configs/pbsd.py --ckpt_dir=workdir/pbsd/ckpt_sft \
       --split=ood_pool --samples=5 --per_tier=100 --out=workdir/pbsd/bc300.jsonl
 
-Every question is sampled `--samples` times with the evaluation setting (`config.eval`:
-temperature 1, top-p 0.95); a question solved in all samples is Easy, in none Hard, otherwise
+Every question is sampled `--samples` times (`--sampling`: as the agent trains,
+`config.rollout`, as the paper ran its agent five times; or the top-p evaluation setting,
+`config.eval`); a question solved in all samples is Easy, in none Hard, otherwise
 Medium (`pbsd_jax.evaluate.stratify`). `--per_tier` questions per tier are drawn with
 `--seed` and written as JSONL -- each record as it was, with `tier` set (its generator kind kept
 as `kind`) and `solve_count` / `samples` added -- ready for `scripts/evaluate.py --splits=<out>`
@@ -34,6 +35,9 @@ _SAMPLES = flags.DEFINE_integer("samples", 5, "Samples per question (N).")
 _PER_TIER = flags.DEFINE_integer("per_tier", 100, "Questions drawn per tier.")
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 64, "Rollout rows per call.")
 _SEED = flags.DEFINE_integer("seed", 0, "Seed of the sampling and of the subset draw.")
+_SAMPLING = flags.DEFINE_enum("sampling", "rollout", ["rollout", "eval"],
+                              "The samples: the agent as it trains (config.rollout) or the "
+                              "top-p evaluation (config.eval).")
 _OUT = flags.DEFINE_string("out", None,
                            "Output JSONL (default: <workdir>/stratified_<split>.jsonl).")
 
@@ -44,7 +48,6 @@ def main(argv):
 
   from pbsd_jax import evaluate, jsonl, run_config, task as task_lib
   from pbsd_jax.env import protocol
-  from pbsd_jax.sampling import Sampler
 
   logging.set_verbosity(logging.WARNING)
   config = _CONFIG.value
@@ -61,7 +64,7 @@ def main(argv):
   except (FileNotFoundError, ValueError) as err:
     raise SystemExit(f"stratify: {err}") from None
 
-  sampler = Sampler(model, temperature=config.eval.temperature, top_p=config.eval.top_p)
+  sampler = run_config.build_sampler(config, model, _SAMPLING.value)
   try:
     rows, summary = evaluate.stratified_subset(
         sampler, task.env, params, records, **task.rollout_args, num_samples=_SAMPLES.value,

@@ -38,9 +38,8 @@ Array = jax.Array
 # The file `save` writes in an index directory (`scripts/build_index.py --tokenizer`).
 INDEX_FILE = "sparse_bm25.npz"
 # Postings per window: the search loop's work per lane and step. On CPU a step's fixed cost
-# outweighs its scatter until windows are thousands of postings long (benchmarks/ours_bm25.py:
-# 18 queries/s at 32, 457 at 8192, 20K documents); reading a window past a short list costs
-# nothing in memory.
+# outweighs its scatter until windows are thousands of postings long (docs/benchmarks.md);
+# reading a window past a short list costs nothing in memory.
 CHUNK = 4096
 _FIELDS = ("indptr", "postings", "weights", "doc_flat", "doc_offsets")
 
@@ -164,8 +163,8 @@ class SparseBM25Index:
   def scores(self, query_token_ids: Array) -> Array:
     """`f32[Q, N]` BM25 scores (as `BM25Index.scores`; ids outside `[0, V)` are ignored)."""
     queries = jnp.asarray(query_token_ids, jnp.int32)
-    per_shard = jax.vmap(self._shard_scores, in_axes=(0, 0, 0, None))(
-        self.indptr, self.postings, self.weights, queries)  # [S, Q, per]
+    per_shard = jax.lax.map(lambda arrays: self._shard_scores(*arrays, queries),
+                            (self.indptr, self.postings, self.weights))  # [S, Q, per]
     return jnp.moveaxis(per_shard, 0, 1).reshape(queries.shape[0], -1)[:, :self.num_docs]
 
   def search(self, query_token_ids: Array, k: int) -> tuple[Array, Array]:
@@ -179,8 +178,10 @@ class SparseBM25Index:
     # The padding documents at the end of the last shard score 0, the least a real document
     # scores, and come after every real one at equal scores; with k <= N they are never
     # returned.
-    shard_top = jax.vmap(lambda start, docs, weights, q: tuple(jax.lax.top_k(
-        self._shard_scores(start, docs, weights, q), local_k)), in_axes=(0, 0, 0, None))
+    # One shard after another (`lax.map`): a vmapped loop copied its scores every step.
+    shard_top = lambda start, docs, weights, q: jax.lax.map(
+        lambda arrays: tuple(jax.lax.top_k(self._shard_scores(*arrays, q), local_k)),
+        (start, docs, weights))
     if self.mesh is not None:
       spread, whole = jax.sharding.PartitionSpec(self.shard_axes), jax.sharding.PartitionSpec()
       shard_top = jax.shard_map(shard_top, mesh=self.mesh, in_specs=(spread,) * 3 + (whole,),
