@@ -20,8 +20,6 @@ import json
 import os
 from typing import Any
 
-from absl import logging
-
 # Fields (or whole sections) that may change when a run resumes.
 RESUMABLE = ("sft.steps", "rl.steps", "rl.save_rollouts", "eval", "checkpoint.save_interval_steps",
              "checkpoint.max_to_keep", "checkpoint.async_save", "env.url", "env.timeout_s",
@@ -62,16 +60,9 @@ def fingerprint(config) -> str:
 
 
 def differing_fields(recorded: dict, config: dict) -> list[str]:
-  """The non-resumable fields whose values differ between two config dicts (sorted). A field
-  the record does not have (added to the code after the workdir was made) is not one of them:
-  `new_fields`."""
+  """The non-resumable fields whose values differ between two config dicts (sorted)."""
   a, b = _fixed(recorded), _fixed(config)
-  return sorted(k for k in a if a[k] != b.get(k, "<absent>"))
-
-
-def new_fields(recorded: dict, config: dict) -> list[str]:
-  """The fields of `config` that the recorded config dict does not have (sorted)."""
-  return sorted(set(_flat(config)) - set(_flat(recorded)))
+  return sorted(k for k in set(a) | set(b) if a.get(k, "<absent>") != b.get(k, "<absent>"))
 
 
 def _lock(workdir: str):
@@ -107,8 +98,7 @@ def claim(workdir: str, config, *, force: bool = False, lock: bool = True):
 
   Raises:
     WorkdirError: another live process holds the lock, or the recorded configuration differs
-      in non-resumable fields and `force` is not set. Fields the record lacks (newer code) are
-      taken as configured, with a warning, and recorded.
+      in non-resumable fields and `force` is not set.
   """
   os.makedirs(workdir, exist_ok=True)
   handle = _lock(workdir) if lock else None
@@ -116,18 +106,14 @@ def claim(workdir: str, config, *, force: bool = False, lock: bool = True):
   current = as_dict(config)
   if os.path.exists(path):
     with open(path) as f:
-      recorded = json.load(f)
-    fields, added = differing_fields(recorded, current), new_fields(recorded, current)
+      fields = differing_fields(json.load(f), current)
     if fields and not force:
       if handle is not None:
         handle.close()
       raise WorkdirError(f"workdir {workdir} was made by another configuration (differs in "
                          f"{', '.join(fields)}); use another --workdir, or pass --force_resume "
                          f"to resume it anyway")
-    if added:
-      logging.warning("workdir %s has no record of %s (fields newer than it): resumed with "
-                      "them as configured", workdir, ", ".join(added))
-    if not fields and not added:
+    if not fields:
       return handle
   if not lock:
     return None

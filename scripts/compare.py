@@ -15,7 +15,8 @@ checkpoint samples every pool question `--ood_samples` times (`--ood_sampling`: 
 `config.rollout`, the paper's five runs of its agent; or `config.eval`), and
 `--ood_per_tier` questions of each tier (Easy: always solved, Hard: never, Medium: the rest)
 become `<workdir>/ood_tiers.jsonl` (`evaluate.stratified_subset`). Everything resumes:
-re-running skips finished runs and evaluations (a split added later is evaluated alone). `--results` (default `docs/results.md`) gets the tables and its PNGs go beside
+re-running skips finished runs and evaluations (a split added later is evaluated alone).
+`--results` (default `docs/results.md`) gets the tables and its PNGs go beside
 it: accuracy (mean and spread over seeds), the difference of each method from GRPO paired by
 seed with a bootstrap interval over questions, accuracy against step, the dynamics of PBSD
 and GRPO, pass@k, and the credit AUCs (`pbsd_jax.credit_quality`). `--ablations` adds the

@@ -47,25 +47,6 @@ def test_only_non_resumable_fields_count_as_a_different_configuration():
       load("pbsd", "--config.seed=3"))
 
 
-def test_fields_newer_than_a_workdir_resume_it_as_configured_and_are_recorded(tmp_path):
-  workdir = str(tmp_path)
-  old = workdir_lib.as_dict(load("pbsd"))
-  del old["pbsd"]["replay_routing"], old["env"]["index"]  # as an older version recorded it
-  with open(os.path.join(workdir, workdir_lib.CONFIG_FILE), "w") as f:
-    json.dump(old, f)
-  new = load("pbsd", "--config.env.index=sparse")
-  assert workdir_lib.differing_fields(old, workdir_lib.as_dict(new)) == []
-  assert workdir_lib.new_fields(old, workdir_lib.as_dict(new)) == ["env.index",
-                                                                  "pbsd.replay_routing"]
-  workdir_lib.claim(workdir, new).close()
-  with open(os.path.join(workdir, workdir_lib.CONFIG_FILE)) as f:
-    assert json.load(f)["env"]["index"] == "sparse"
-  # A field the record has still counts.
-  with pytest.raises(workdir_lib.WorkdirError, match=r"differs in pbsd\.delta"):
-    workdir_lib.claim(workdir, load("pbsd", "--config.env.index=sparse",
-                                    "--config.pbsd.delta=0.5"))
-
-
 def test_a_workdir_of_another_configuration_is_refused_unless_forced(tmp_path):
   workdir = str(tmp_path)
   workdir_lib.claim(workdir, load("grpo")).close()
