@@ -72,9 +72,11 @@ def get_config() -> ml_collections.ConfigDict:
                                          max_examples=0, teacher_fraction=0.0))
 
   # Evaluation (paper: top-p 0.95). every: greedy validation accuracy on `num_examples`
-  # questions every this many RL steps (0: never), logged as the `eval` stage.
+  # questions every this many RL steps (0: never), logged as the `eval` stage; sft_every: the
+  # same every this many SFT steps, logged as the `eval_sft` stage (the SFT learning curve).
   c.eval = ml_collections.ConfigDict(dict(num_examples=200, temperature=1.0,
-                                          top_p=0.95, pass_k=(1, 2, 4, 8, 16), every=0))
+                                          top_p=0.95, pass_k=(1, 2, 4, 8, 16), every=0,
+                                          sft_every=0))
 
   # Mesh ('data', 'fsdp', 'tensor'); -1 takes the remaining devices.
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))

@@ -268,12 +268,13 @@ def validate(config, num_devices: int | None = None) -> None:
     _fail("sft.batch_size", config.sft.batch_size,
           f"does not split over the {mesh['data'] * mesh['fsdp']} data-parallel devices of "
           f"the mesh (mesh.data * mesh.fsdp)")
-  if config.eval.every < 0:
-    _fail("eval.every", config.eval.every, "must be >= 0 (0: never)")
-  if config.eval.every and jax.process_count() > 1:
-    _fail("eval.every", config.eval.every, "must be 0 in a multi-process run (the validation "
-          "rollout is not sharded over processes; evaluate its checkpoints with "
-          "scripts/evaluate.py)")
+  for field in ("every", "sft_every"):
+    if config.eval[field] < 0:
+      _fail(f"eval.{field}", config.eval[field], "must be >= 0 (0: never)")
+    if config.eval[field] and jax.process_count() > 1:
+      _fail(f"eval.{field}", config.eval[field], "must be 0 in a multi-process run (the "
+            "validation rollout is not sharded over processes; evaluate its checkpoints with "
+            "scripts/evaluate.py)")
   if any(k < 1 for k in config.eval.pass_k):
     _fail("eval.pass_k", config.eval.pass_k, "every k must be >= 1")
   if config.rl.save_rollouts < 0:

@@ -87,12 +87,15 @@ def sft_stage(config, task: Task, model: ModelConfig, workdir: str, log: MetricL
               mesh: Mesh, progress: Callable = lambda it, **kw: it,
               force_resume: bool = False) -> train_state.TrainState:
   """`config.sft.steps` updates of masked NLL on oracle trajectories, under `mesh`
-  (resumable; with `force_resume`, also from checkpoints of another configuration)."""
+  (resumable; with `force_resume`, also from checkpoints of another configuration). With
+  `config.eval.sft_every`, greedy validation accuracy is logged (stage `eval_sft`) every that
+  many steps and at the end."""
   steps = config.sft.steps
   tx = run_config.build_optimizer(config, "sft")
   state = fresh_state(initial_params(config, model, mesh), tx, model, mesh, config.seed)
   with _checkpointer(config, workdir, "ckpt_sft") as ckpt:
     state = _resume(ckpt, state, log, "sft", force_resume)
+    log.drop_after("eval_sft", int(state.step))
     if int(state.step) >= steps:
       return state
     records = task.splits["sft"][:config.sft.max_examples or None]
@@ -115,6 +118,7 @@ def sft_stage(config, task: Task, model: ModelConfig, workdir: str, log: MetricL
         state, metrics = step_fn(state, *batch)
         log.write("sft", step + 1, metrics)
         ckpt.save(state, {"stage": "sft", "step": step + 1}, force=step + 1 == steps)
+        _log_validation(config, task, model, state.params, log, step + 1, "sft")
         if guard.save_if_requested(ckpt, state, {"stage": "sft", "step": step + 1}):
           raise SystemExit("preempted: saved the SFT state")
   return state
@@ -317,13 +321,14 @@ def validation_accuracy(config, task: Task, model: ModelConfig, params: Any,
 
 
 def _log_validation(config, task: Task, model: ModelConfig, params: Any, log: MetricLog,
-                    step: int) -> None:
-  """With `config.eval.every`, the `eval` stage's row of RL step `step` (0: the start)."""
-  every = config.eval.every
-  if every and (step % every == 0 or step == config.rl.steps):
+                    step: int, stage: str = "rl") -> None:
+  """With `config.eval.every` (RL) or `config.eval.sft_every` (SFT), the validation row of
+  `stage`'s step `step` (0: the start), logged as stage `eval` (RL) or `eval_sft`."""
+  every = config.eval.every if stage == "rl" else config.eval.sft_every
+  if every and (step % every == 0 or step == config[stage].steps):
     result = validation_accuracy(config, task, model, params)
-    log.write("eval", step, {k: result[k] for k in ("accuracy", "mean_turns",
-                                                    "mean_action_tokens")})
+    log.write("eval" if stage == "rl" else "eval_sft", step,
+              {k: result[k] for k in ("accuracy", "mean_turns", "mean_action_tokens")})
 
 
 def rl_stage(config, task: Task, model: ModelConfig, params: Any, workdir: str,
