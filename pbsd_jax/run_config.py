@@ -136,18 +136,24 @@ def build_model_config(config, vocab_size: int | None = None) -> ModelConfig:
 
 
 def build_optimizer(config, stage: str):
-  """The AdamW of `stage` (`'sft'`: the `sft` section's lr, warm-up and steps; `'rl'`:
-  `optim`'s lr and warm-up over `rl.steps`), the rest from `optim`."""
+  """The AdamW of `stage` (`'sft'`: the `sft` section's lr, warm-up, steps and schedule (empty:
+  `optim.schedule`); `'rl'`: `optim`'s lr, warm-up and schedule over `rl.steps`), the rest
+  from `optim`."""
   o = config.optim
-  lr, warmup, steps, section = ((config.sft.lr, config.sft.warmup_steps, config.sft.steps, "sft")
-                                if stage == "sft" else
-                                (o.lr, o.warmup_steps, config.rl.steps, "optim"))
-  fields = {f: f"optim.{f}" for f in ("weight_decay", "b1", "b2", "grad_clip", "schedule")}
+  if stage == "sft":
+    lr, warmup, steps, section = (config.sft.lr, config.sft.warmup_steps, config.sft.steps,
+                                  "sft")
+    schedule, schedule_field = ((config.sft.schedule, "sft.schedule") if config.sft.schedule
+                                else (o.schedule, "optim.schedule"))
+  else:
+    lr, warmup, steps, section = o.lr, o.warmup_steps, config.rl.steps, "optim"
+    schedule, schedule_field = o.schedule, "optim.schedule"
+  fields = {f: f"optim.{f}" for f in ("weight_decay", "b1", "b2", "grad_clip")}
   fields.update(lr=f"{section}.lr", warmup_steps=f"{section}.warmup_steps",
-                total_steps=f"{stage}.steps")
+                total_steps=f"{stage}.steps", schedule=schedule_field)
   with naming_fields(fields, "optim"):
     return train_state.make_optimizer(lr, warmup, steps, o.weight_decay, o.b1, o.b2,
-                                      o.grad_clip, o.schedule)
+                                      o.grad_clip, schedule)
 
 
 def build_plan(config) -> learner.UpdatePlan:
