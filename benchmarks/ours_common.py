@@ -91,6 +91,22 @@ def matmul_peak(dtype: str = "float32", sizes=(1024, 2048, 4096), repeats: int =
   return best
 
 
+def read_bandwidth(megabytes: int = 512, repeats: int = 3) -> float:
+  """Best bytes/s of a `jnp.sum` over `megabytes` of float32, measured now."""
+  x = jnp.ones((megabytes * 2 ** 20 // 4,), jnp.float32)
+  seconds, _ = best_of(lambda: jax.jit(jnp.sum)(x), repeats)
+  return x.nbytes / seconds
+
+
+def matmul_params(config: ModelConfig, head: bool = True) -> int:
+  """Parameters of every matmul with activations: the layers' q, k, v, o, gate, up and down
+  kernels, and (with `head`) the LM head; not the embedding gather or the norms."""
+  d, hd = config.hidden_size, config.resolved_head_dim
+  attention = d * (config.num_heads + 2 * config.num_kv_heads) * hd + config.num_heads * hd * d
+  return (config.num_layers * (attention + 3 * d * config.mlp_dim)
+          + (d * config.vocab_size if head else 0))
+
+
 def chip_peaks() -> tuple[float, float] | None:
   """`(bf16 FLOP/s, HBM bytes/s)` of device 0 from `CHIP_PEAKS`, or None (e.g. a CPU)."""
   kind = jax.devices()[0].device_kind

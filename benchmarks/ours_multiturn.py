@@ -12,6 +12,11 @@ of random-token documents. Two kinds of actions, each turn the same for every ro
 The buffer is sized to the trajectory (prompt width + turns x tokens per turn), so a longer
 episode pays for its longer context. Time per trajectory token = wall seconds of the rollout
 (prefill included) / trajectory tokens (actions + observations) summed over the rows.
+
+The long-horizon row: sampled actions over `--long-turns` turns (default 64) and over 1 turn,
+both in a buffer of `--long-buffer` slots (default 32,768): what a step costs follows what is
+filled (decode reads the cache up to the longest filled prefix, appends skip the empty tiles),
+not the buffer.
 """
 
 from __future__ import annotations
@@ -48,12 +53,14 @@ def forced_searches(docs: np.ndarray, turns: int, rows: int) -> tuple[np.ndarray
   return actions, np.full((turns, rows), actions.shape[-1], np.int32)
 
 
-def time_per_token(config, params, prompts, index, docs, turns: int, kind: str, args) -> dict:
-  """Best wall seconds of one rollout of `turns` turns and its seconds per trajectory token."""
+def time_per_token(config, params, prompts, index, docs, turns: int, kind: str, args,
+                   buffer: int = 0) -> dict:
+  """Best wall seconds of one rollout of `turns` turns and its seconds per trajectory token,
+  in a buffer of `buffer` slots (0: the trajectory's size)."""
   b, p = prompts.shape
   action = args.action_tokens if kind == "sampled" else QUERY_LEN + 2
   observation = len(NOTICE) if kind == "sampled" else TOP_K * DOC_LEN + 2
-  env = AgentEnv(buffer_size=p + turns * (action + observation), max_turns=turns,
+  env = AgentEnv(buffer_size=buffer or p + turns * (action + observation), max_turns=turns,
                  max_action_tokens=action, max_observation_tokens=TOP_K * DOC_LEN + 2,
                  max_query_tokens=QUERY_LEN, top_k=TOP_K, notice=NOTICE, **TAGS)
   sampler = Sampler(config, temperature=1.0)
@@ -69,7 +76,8 @@ def time_per_token(config, params, prompts, index, docs, turns: int, kind: str, 
   seconds, out = ours_common.best_of(rollout, args.repeats)
   # A sampled row may end early (it drew EOS or closed a tag): count what was written.
   tokens = int(jnp.sum(out.length - p))
-  return {"seconds": seconds, "tokens": tokens, "s_per_token": seconds / tokens}
+  return {"seconds": seconds, "tokens": tokens, "s_per_token": seconds / tokens,
+          "buffer": env.buffer_size}
 
 
 def main():
@@ -77,6 +85,8 @@ def main():
   p.add_argument("--turns", type=int, default=8)
   p.add_argument("--group", type=int, default=8)
   p.add_argument("--action-tokens", type=int, default=32, help="sampled tokens per turn")
+  p.add_argument("--long-turns", type=int, default=64)
+  p.add_argument("--long-buffer", type=int, default=32_768, help="0: skip the long row")
   args = p.parse_args()
   config, params = ours_common.load_model(args)
   prompts = jnp.asarray(np.repeat(ours_common.load_prompts(args, config), args.group, axis=0))
@@ -92,6 +102,13 @@ def main():
   sampled = result["multiturn_sampled"]
   result.update(s_per_token_1turn=sampled["1"]["s_per_token"],
                 s_per_token_8turn=sampled[str(args.turns)]["s_per_token"], turns=args.turns)
+  if args.long_buffer:
+    one, many = (time_per_token(config, params, prompts, index, docs, turns, "sampled", args,
+                                args.long_buffer) for turns in (1, args.long_turns))
+    result.update(long_multiturn={"1": one, str(args.long_turns): many},
+                  long_s_per_token_1turn=one["s_per_token"],
+                  long_s_per_token_many=many["s_per_token"], long_turns=args.long_turns,
+                  long_buffer=args.long_buffer, long_tokens=many["tokens"])
   ours_common.emit(result)
 
 

@@ -13,7 +13,15 @@ the same 64-token width, a different conditioning, which is all the cost depends
 
 Sampler tokens/s: `--prompts x --group` sequences x `--new-tokens` / wall seconds of
 `Sampler.generate` (prefill + decode). Decode bandwidth: parameter bytes + the whole KV cache
-(our attention reads every slot of the static buffer) per decode step / decode step time.
+(at this shape one block of the decode attention: every slot) per decode step / its time.
+
+Floors, from the matmul peak and the read bandwidth measured in the same run:
+- the update: 6 x (the layers' multiplying parameters x every token + the LM head's x the
+  trajectory tokens, the only positions it scores) FLOPs at the matmul peak;
+- a decode step: the larger of 2 x the multiplying parameters (LM head included) x rows FLOPs
+  at the matmul peak and its bytes (above) at the read bandwidth.
+PBSD's extra cost is set against its teacher forward measured alone: (PBSD step - GRPO step)
+/ PBSD's evidence pass (`pbsd_extra_over_teacher`).
 """
 
 from __future__ import annotations
@@ -158,7 +166,27 @@ def main():
       result.update(measure_step(name, config, params, prompts, mask, teacher, mask, args))
   if {"grpo", "pbsd"} <= only:
     result["pbsd_over_grpo"] = result["pbsd_step_s"] / result["grpo_step_s"]
+    result["pbsd_extra_over_teacher"] = ((result["pbsd_step_s"] - result["grpo_step_s"])
+                                         / result["pbsd_evidence_s"])
+  result.update(floors(config, prompts.shape, args.new_tokens, result))
   ours_common.emit(result)
+
+
+def floors(config, shape: tuple[int, int], new_tokens: int, result: dict) -> dict:
+  """The update's and the decode step's floors (module docstring) and our time over each."""
+  rows, prompt = shape
+  peak = ours_common.matmul_peak(config.dtype)
+  out = {"matmul_peak_flops": peak, "read_bytes_s": ours_common.read_bandwidth()}
+  if "grpo_update_s" in result:
+    flops = 6 * (ours_common.matmul_params(config, head=False) * rows * (prompt + new_tokens)
+                 + config.hidden_size * config.vocab_size * rows * new_tokens)
+    out.update(update_floor_flops=flops, update_floor_s=flops / peak,
+               grpo_update_over_floor=result["grpo_update_s"] * peak / flops)
+  if "decode_step_s" in result:
+    floor = max(2 * ours_common.matmul_params(config) * rows / peak,
+                result["decode_bytes_per_step"] / out["read_bytes_s"])
+    out.update(decode_floor_s=floor, decode_over_floor=result["decode_step_s"] / floor)
+  return out
 
 
 if __name__ == "__main__":

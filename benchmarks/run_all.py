@@ -35,18 +35,25 @@ PEERS_VENV_COMMAND = ("python3 -m venv benchmarks/.venv-peers && benchmarks/.ven
                       "install -r benchmarks/requirements-peers.txt")
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
-OURS = ("ours_rl.py", "ours_mfu.py", "ours_memory.py", "ours_multiturn.py")
-PEERS = ("tunix_grpo.py", "trl_grpo.py", "hf_generate.py")
+OURS = ("ours_rl.py", "ours_mfu.py", "ours_memory.py", "ours_long.py", "ours_multiturn.py")
+# (script, arguments): Tunix twice, at its defaults and at beta 0 (our GRPO's setting).
+PEERS = (("tunix_grpo.py", []), ("tunix_grpo.py", ["--beta", "0", "--no-sampler"]),
+         ("trl_grpo.py", []), ("hf_generate.py", []))
 # --quick: one timed call or step each and a 4k-token learner update (a smoke run only).
 ONE = ["--repeats", "1"]
 QUICK = {"ours_rl.py": ONE, "ours_mfu.py": ["--rows", "4", *ONE], "ours_memory.py": [],
-         "ours_multiturn.py": ONE, "tunix_grpo.py": ["--steps", "1", *ONE],
+         "ours_long.py": ["--seq", "4096", "--base", "1024", *ONE],
+         "ours_multiturn.py": ["--long-turns", "8", "--long-buffer", "4096", *ONE], "tunix_grpo.py": ["--steps", "1", *ONE],
          "trl_grpo.py": ["--steps", "1"], "hf_generate.py": ONE}
 
 # (target, numerator, denominator, bound, "<=" or ">="); figures are "system.key".
 TARGETS = (
-    ("GRPO step, ours / Tunix", "ours.grpo_step_s", "tunix.grpo_step_s", 0.5, "<="),
-    ("PBSD step / GRPO step (ours)", "ours.pbsd_step_s", "ours.grpo_step_s", 1.15, "<="),
+    ("GRPO step, ours / Tunix at beta 0 (no reference log-probs)", "ours.grpo_step_s",
+     "tunix_beta0.grpo_step_s", 0.5, "<="),
+    ("(PBSD step - GRPO step) / PBSD's teacher forward alone", "ours.pbsd_extra_over_teacher",
+     None, 1.1, "<="),
+    ("GRPO update / its FLOP floor", "ours.grpo_update_over_floor", None, 1.5, "<="),
+    ("decode step / its floor (matmul or read)", "ours.decode_over_floor", None, 2.0, "<="),
     ("sampler new tok/s, ours / HF generate", "ours.sampler_tok_s", "hf.generate_tok_s", 2.0,
      ">="),
     ("sampler new tok/s, ours / Tunix sampler", "ours.sampler_tok_s", "tunix.sampler_tok_s",
@@ -56,9 +63,14 @@ TARGETS = (
      "ours.dual_unchunked_bytes", 0.25, "<="),
     ("time per trajectory token, 8 turns / 1 turn", "ours.s_per_token_8turn",
      "ours.s_per_token_1turn", 1.3, "<="),
+    ("time per trajectory token, 64 turns / 1 turn, both in a 32K buffer",
+     "ours.long_s_per_token_many", "ours.long_s_per_token_1turn", 1.3, "<="),
 )
 # Context, no target.
-EXTRA = (("GRPO step, ours / TRL", "ours.grpo_step_s", "trl.grpo_step_s"),)
+EXTRA = (("GRPO step, ours / Tunix at its defaults (beta 0.04)", "ours.grpo_step_s",
+          "tunix.grpo_step_s"),
+         ("PBSD step / GRPO step (ours)", "ours.pbsd_step_s", "ours.grpo_step_s"),
+         ("GRPO step, ours / TRL", "ours.grpo_step_s", "trl.grpo_step_s"))
 
 
 def run_script(python: str, script: str, args: list[str], timeout: int) -> dict:
@@ -213,11 +225,12 @@ def run_everything(args, model_dir: str) -> tuple[dict, list[str]]:
       print(message, file=sys.stderr)
       errors.append(message)
     else:
-      for script in PEERS:
+      for script, script_args in PEERS:
         extra = QUICK.get(script, []) if args.quick else []
         record(script.split("_")[0], run_script(args.peers_python,
                                                 os.path.join(HERE, "peers", script),
-                                                common + extra, args.timeout), script)
+                                                common + script_args + extra, args.timeout),
+               script)
   return results, errors
 
 

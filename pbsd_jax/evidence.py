@@ -3,7 +3,7 @@
 DESIGN.md §2 "Non-replay evidence recomputation": the trainer scores the trajectories with the
 current (pre-update) parameters, never with the sampler's log-probs, under `stop_gradient`:
 
-- `dual_logprobs` (student and teacher in one vmapped pass) when the algorithm reads the
+- `dual_logprobs` (student and teacher in one batched pass) when the algorithm reads the
   teacher log-probs (PBSD, RLSD);
 - `token_divergence` (one student and one teacher forward, giving divergence, entropy and the
   student's log-probs together) when it reads the divergence or the entropy (GEAR);

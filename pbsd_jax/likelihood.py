@@ -9,7 +9,7 @@ With `chunk_size` set, the LM head runs on `chunk_size` positions at a time unde
 `jax.checkpoint`, so neither the forward nor the backward pass ever holds the `[B, T, V]` logits.
 
 `dual_logprobs` scores one trajectory under the student and the privileged-teacher prompts in
-one vmapped pass (DESIGN.md §2); `token_divergence` compares two models' full next-token
+one batched pass (DESIGN.md §2); `token_divergence` compares two models' full next-token
 distributions chunk by chunk (OPSD, GEAR).
 """
 
@@ -118,9 +118,9 @@ def dual_logprobs(params: Any, config: ModelConfig, student_tokens: Array, stude
   """Student and teacher log-probs of the same trajectory, `f32[2, B, T]`, no gradient.
 
   DESIGN §2 "Non-replay evidence recomputation": one forward with the current parameters over
-  both conditions, stacked on a leading axis and evaluated by one `jax.vmap` of
-  `token_logprobs`. Index 0 is the student (ordinary prompt), index 1 the teacher (privileged
-  prompt); the two sequences share every trajectory column (DESIGN §3), so
+  both conditions as one batch of `2B` rows of `token_logprobs` (under a `vmap` the
+  attention could not skip the tiles that no row needs). Index 0 is the student (ordinary
+  prompt), index 1 the teacher (privileged prompt); the two sequences share every trajectory column (DESIGN §3), so
   `out[1] - out[0]` is the per-token evidence `l_{i,j}` on action tokens. The student half
   doubles as the "old" log-probs of the PPO ratio.
 
@@ -140,12 +140,17 @@ def dual_logprobs(params: Any, config: ModelConfig, student_tokens: Array, stude
   if student_tokens.shape != teacher_tokens.shape:
     raise ValueError(f"student tokens {student_tokens.shape} and teacher tokens "
                      f"{teacher_tokens.shape} must have the same [B, T] shape")
-  tokens = jnp.stack([student_tokens, teacher_tokens])
-  mask = jnp.stack([student_mask, teacher_mask]).astype(bool)
-  route_axis = None if routes is None or routes.ndim == 4 else 0
-  one = lambda t, m, r: token_logprobs(params, config, t, m, chunk_size=chunk_size, routes=r,
-                                       score_from=score_from)
-  return jax.lax.stop_gradient(jax.vmap(one, in_axes=(0, 0, route_axis))(tokens, mask, routes))
+  b, t = student_tokens.shape
+  # Row 2i is row i's student, row 2i + 1 its teacher: a device's rows stay on the device.
+  tokens = jnp.stack([student_tokens, teacher_tokens], 1).reshape(2 * b, t)
+  mask = jnp.stack([student_mask, teacher_mask], 1).reshape(2 * b, t).astype(bool)
+  if routes is not None:  # -> [layers, 2B, T, k]
+    routes = (jnp.stack([routes, routes], 2) if routes.ndim == 4
+              else jnp.moveaxis(routes, 0, 2))
+    routes = routes.reshape(routes.shape[0], 2 * b, *routes.shape[3:])
+  out = token_logprobs(params, config, tokens, mask, chunk_size=chunk_size, routes=routes,
+                       score_from=score_from)
+  return jax.lax.stop_gradient(jnp.swapaxes(out.reshape(b, 2, t), 0, 1))
 
 
 def generalized_jsd(student_logits: Array, teacher_logits: Array, beta: float) -> Array:

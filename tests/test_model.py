@@ -255,23 +255,112 @@ def test_init_params_matches_the_flax_init_in_structure_and_distribution():
   assert not np.array_equal(params["embedding"], other)
 
 
-def test_query_blocks_equal_unblocked_attention_in_value_and_gradient():
-  from pbsd_jax.models.transformer import query_blocks
+def _reference_attention(q, keys, values, query_slots, key_mask):
+  """Plain softmax attention: `q: [B, T, kvh, g, d]`, keys/values `[B, kvh, S, d]`."""
+  slots = jnp.arange(keys.shape[2])
+  allowed = key_mask[:, None, :] & (slots[None, None, :] <= query_slots[:, :, None])
+  scores = jnp.einsum("btkgd,bksd->bkgts", q, keys) / jnp.sqrt(q.shape[-1])
+  scores = jnp.where(allowed[:, None, None], scores, -1e30)
+  return jnp.einsum("bkgts,bksd->btkgd", jax.nn.softmax(scores, axis=-1), values)
+
+
+def _tiled(q, keys, values, query_slots, key_mask, q_block, k_block):
+  from pbsd_jax.models.transformer import tiled_attention
+  return tiled_attention(q, keys[None], values[None], 0, query_slots, key_mask, q_block,
+                         k_block)
+
+
+@pytest.mark.parametrize("case", ["training", "append"])
+def test_tiled_attention_equals_plain_attention_in_value_and_gradient(case):
+  """Tiles of 3 queries x 4 keys (a padded last query block; 11 or 13 key slots, so the last
+  key block overlaps the one before): on every real query, the values and the gradients with
+  respect to queries, keys and values equal plain softmax attention's. Rows are left-padded,
+  right-padded, have a hole, or (append) write at their own cursor, one of them past the end
+  of the buffer."""
   kq, kk, kv = jax.random.split(jax.random.key(3), 3)
-  q = jax.random.normal(kq, (2, 10, 4))  # 10 queries: blocks of 4 leave a padded last block
-  keys, values = jax.random.normal(kk, (2, 10, 4)), jax.random.normal(kv, (2, 10, 4))
-  causal = jnp.tril(jnp.ones((10, 10), bool))
-  allowed = jnp.broadcast_to(causal & (jnp.arange(10)[None, :] >= 2), (2, 10, 10))
-  allowed = allowed.at[1, :, :].set(causal)  # row 0 also masks its first two keys
+  b, kvh, g, d = 4, 2, 2, 8
+  if case == "training":
+    t = size = 11
+    query_slots = jnp.broadcast_to(jnp.arange(t), (b, t))
+    key_mask = (jnp.ones((b, size), bool).at[1, :3].set(False).at[2, 7:].set(False)
+                .at[3, 5].set(False))
+  else:
+    t, size = 5, 13
+    query_slots = jnp.array([0, 4, 8, 10])[:, None] + jnp.arange(t)
+    key_mask = jnp.arange(size)[None] < jnp.array([5, 9, 13, 13])[:, None]
+    key_mask = key_mask.at[1, :2].set(False)  # a left-padded prompt
+  q = jax.random.normal(kq, (b, t, kvh, g, d))
+  keys, values = jax.random.normal(kk, (2, b, kvh, size, d))
+  real = jnp.take_along_axis(key_mask, jnp.clip(query_slots, 0, size - 1), 1) & (
+      query_slots < size)
+  assert 3 < int(real.sum()) < b * t
+  weights = jax.random.normal(jax.random.key(4), q.shape)
 
-  def attend(q, allowed):
-    scores = jnp.where(allowed, jnp.einsum("btd,bsd->bts", q, keys), -1e30)
-    return jnp.einsum("bts,bsd->btd", jax.nn.softmax(scores, axis=-1), values)
+  def loss(fn, q, keys, values):
+    out = fn(q, keys, values, query_slots, key_mask)
+    return jnp.sum(jnp.where(real[..., None, None, None], jnp.sin(out * weights), 0.0))
 
-  loss = lambda q, block: jnp.sum(jnp.sin(query_blocks(attend, q, allowed, block)))
-  np.testing.assert_allclose(query_blocks(attend, q, allowed, 4), attend(q, allowed),
-                             rtol=1e-6, atol=1e-6)
-  np.testing.assert_allclose(jax.grad(loss)(q, 4), jax.grad(loss)(q, 10), rtol=1e-5, atol=1e-6)
+  tiled = functools.partial(_tiled, q_block=3, k_block=4)
+  real_rows = np.asarray(real)
+  np.testing.assert_allclose(tiled(q, keys, values, query_slots, key_mask)[real_rows],
+                             _reference_attention(q, keys, values, query_slots,
+                                                  key_mask)[real_rows], rtol=1e-5, atol=1e-6)
+  got = jax.grad(functools.partial(loss, tiled), argnums=(0, 1, 2))(q, keys, values)
+  want = jax.grad(functools.partial(loss, _reference_attention), argnums=(0, 1, 2))(
+      q, keys, values)
+  for got_x, want_x in zip(got, want):
+    assert float(jnp.max(jnp.abs(want_x))) > 1e-2
+    np.testing.assert_allclose(got_x, want_x, rtol=1e-4, atol=1e-6)
+
+
+def test_tiled_attention_skips_the_causal_future_and_padding():
+  """The tiles it computes are exactly those holding a real key at or before a real query of
+  some row (brute force over every query-key pair), and the skipped ones are never read:
+  NaN in the keys and values of the unfilled end of the buffer does not reach the output."""
+  from pbsd_jax.models.transformer import needed_tiles
+  b, t, size = 2, 12, 16
+  query_slots = jnp.broadcast_to(jnp.arange(t), (b, t))
+  key_mask = (jnp.arange(size)[None] < jnp.array([[9], [11]])).at[1, :5].set(False)
+  needed = np.asarray(needed_tiles(query_slots, key_mask, size, 3, 4))
+  mask, qs = np.asarray(key_mask), np.asarray(query_slots)
+  q_real = mask[:, :t]
+  want = np.zeros((4, 4), bool)
+  for row in range(b):
+    for i in range(t):
+      for s in range(size):
+        if q_real[row, i] and mask[row, s] and s <= qs[row, i]:
+          want[i // 3, s // 4] = True
+  np.testing.assert_array_equal(needed, want)
+  assert not want[0, 1] and not want[:, 3].any()  # the causal future; the buffer's empty end
+  q = jax.random.normal(jax.random.key(0), (b, t, 1, 2, 4))
+  keys, values = jax.random.normal(jax.random.key(1), (2, b, 1, size, 4))
+  poison = lambda x: x.at[:, :, 12:].set(jnp.nan)
+  out = _tiled(q, poison(keys), poison(values), query_slots, key_mask, 3, 4)
+  np.testing.assert_allclose(out[np.asarray(q_real)], _reference_attention(
+      q, keys, values, query_slots, key_mask)[np.asarray(q_real)], rtol=1e-5, atol=1e-6)
+
+
+def test_model_in_small_tiles_equals_one_tile_in_logits_and_gradient(monkeypatch):
+  """The whole model with attention tiles of 3 x 4 (left- and right-padded rows) against the
+  same model in one tile: logits and the gradient of the tokens' log-likelihood."""
+  from pbsd_jax.models import transformer
+  params = _setup(QWEN3)
+  tokens = jax.random.randint(jax.random.key(5), (3, 10), 0, QWEN3.vocab_size)
+  mask = jnp.ones((3, 10), bool).at[1, :4].set(False).at[2, 6:].set(False)
+
+  def run():  # traced afresh: the block sizes are read at trace time
+    logp = lambda p: jnp.sum(token_logprobs.__wrapped__(p, QWEN3, tokens, mask))
+    return (_forward.__wrapped__(QWEN3, params, tokens, mask).logits,
+            jax.jit(jax.grad(logp))(params))
+
+  logits, grads = run()
+  monkeypatch.setattr(transformer, "QUERY_BLOCK", 3)
+  monkeypatch.setattr(transformer, "KEY_BLOCK", 4)
+  small_logits, small_grads = run()
+  real = np.asarray(mask)
+  np.testing.assert_allclose(small_logits[real], logits[real], rtol=1e-5, atol=1e-5)
+  for got, want in zip(jax.tree.leaves(small_grads), jax.tree.leaves(grads)):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("config", [DENSE, QWEN3], ids=["gqa_2_groups", "mqa_head_dim_12"])

@@ -12,7 +12,8 @@ warm-up call, then the best of 3.
 
 GRPO: `GRPOLearner` with the vanilla rollout engine, 8 prompts x 8 generations, 64-token prompts,
 128 new tokens, temperature 1, Tunix's defaults for the loss (beta 0.04, so reference log-probs
-are computed; epsilon 0.2; one iteration per batch), AdamW, and a trivial reward (the fraction of
+are computed; `--beta 0` turns them off, as our GRPO has none, and reports as system
+`tunix_beta0`; epsilon 0.2; one iteration per batch), AdamW, and a trivial reward (the fraction of
 even token ids in a completion). It runs 1 warm-up step + `--steps` steps. A step is the time
 between the ends of consecutive actor updates (it holds the rollout, reference log-probs,
 rewards, advantages, update and Tunix's bookkeeping); the breakdown times
@@ -138,7 +139,7 @@ class Timings:
     setattr(obj, method, timed)
 
 
-def time_grpo(model_dir: str, mesh, texts: list[str], steps: int) -> dict:
+def time_grpo(model_dir: str, mesh, texts: list[str], steps: int, beta: float) -> dict:
   """Runs 1 + `steps` GRPO steps; returns the best step time and breakdown in seconds."""
   batch = reference.NUM_PROMPTS  # Tunix counts prompts; each is sampled num_generations times
   rollout_config = base_rollout.RolloutConfig(
@@ -160,7 +161,8 @@ def time_grpo(model_dir: str, mesh, texts: list[str], steps: int) -> dict:
           rollout_config=rollout_config))
   learner = grpo_learner.GRPOLearner(
       rl_cluster=cluster, reward_fns=even_fraction,
-      algo_config=grpo_learner.GRPOConfig(num_generations=reference.NUM_GENERATIONS))
+      algo_config=grpo_learner.GRPOConfig(num_generations=reference.NUM_GENERATIONS,
+                                          beta=beta))
 
   timings = Timings()
   timings.wrap(cluster, "generate", "rollout", wait=lambda out: out.tokens)
@@ -173,7 +175,8 @@ def time_grpo(model_dir: str, mesh, texts: list[str], steps: int) -> dict:
   assert len(step_s) == steps, timings.seconds
   best = lambda name: min(timings.seconds[name][1:])  # the first call compiles
   return {"grpo_step_s": float(step_s.min()), "rollout_s": best("rollout"),
-          "ref_logprobs_s": best("ref_logprobs"), "update_s": best("update")}
+          "ref_logprobs_s": best("ref_logprobs") if "ref_logprobs" in timings.seconds else 0.0,
+          "update_s": best("update"), "beta": beta}
 
 
 def main():
@@ -181,19 +184,26 @@ def main():
   parser.add_argument("--model", required=True, help="reference dir (benchmarks/reference.py)")
   parser.add_argument("--steps", type=int, default=3, help="timed GRPO steps after the warm-up")
   parser.add_argument("--repeats", type=int, default=3, help="timed sampler calls")
+  parser.add_argument("--beta", type=float, default=0.04,
+                      help="KL coefficient (Tunix's default 0.04; 0: no reference log-probs)")
+  parser.add_argument("--no-sampler", action="store_true", help="time the GRPO step only")
   args = parser.parse_args()
 
   mesh = jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
   texts = prompt_texts(args.model)
-  with jax.set_mesh(mesh):
-    sampler_s = time_sampler(load_model(args.model, mesh), texts, args.repeats)
-  grpo = time_grpo(args.model, mesh, texts, args.steps)
   new_tokens = reference.NUM_PROMPTS * reference.NUM_GENERATIONS * reference.NEW_TOKENS
-  result = {"system": "tunix", **grpo, "sampler_tok_s": new_tokens / sampler_s,
+  sampled = {}
+  if not args.no_sampler:
+    with jax.set_mesh(mesh):
+      sampler_s = time_sampler(load_model(args.model, mesh), texts, args.repeats)
+    sampled = {"sampler_tok_s": new_tokens / sampler_s}
+  grpo = time_grpo(args.model, mesh, texts, args.steps, args.beta)
+  result = {"system": "tunix" if args.beta else "tunix_beta0", **grpo, **sampled,
             "version": importlib.metadata.version("google-tunix")}
-  print(f"tunix: GRPO step {grpo['grpo_step_s']:.3f} s (rollout {grpo['rollout_s']:.3f}, "
-        f"reference log-probs {grpo['ref_logprobs_s']:.3f}, update {grpo['update_s']:.3f}); "
-        f"sampler {new_tokens} new tokens in {sampler_s:.3f} s")
+  print(f"tunix (beta {args.beta}): GRPO step {grpo['grpo_step_s']:.3f} s (rollout "
+        f"{grpo['rollout_s']:.3f}, reference log-probs {grpo['ref_logprobs_s']:.3f}, update "
+        f"{grpo['update_s']:.3f})"
+        + (f"; sampler {new_tokens} new tokens in {sampler_s:.3f} s" if sampled else ""))
   print("RESULT " + json.dumps(result))
 
 
