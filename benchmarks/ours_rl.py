@@ -59,7 +59,8 @@ def single_turn_rollout(sampler: Sampler, params, prompts: jax.Array, mask: jax.
                  group_ids=jnp.arange(b, dtype=jnp.int32) // group,
                  sample_logp=state.sample_logp,
                  reward=even_majority_reward(state.tokens, state.sampled),
-                 search_failures=jnp.zeros((b,), jnp.int32), prompt_width=p)
+                 searches=jnp.zeros((b,), jnp.int32), search_failures=jnp.zeros((b,), jnp.int32),
+                 prompt_width=p)
 
 
 def measure_step(name: str, config, params, prompts, mask, teacher, teacher_mask, args) -> dict:

@@ -63,13 +63,15 @@ TARGETS = (
      "ours.dual_unchunked_bytes", 0.25, "<="),
     ("time per trajectory token, 8 turns / 1 turn", "ours.s_per_token_8turn",
      "ours.s_per_token_1turn", 1.3, "<="),
-    ("time per trajectory token, 64 turns / 1 turn, both in a 32K buffer",
-     "ours.long_s_per_token_many", "ours.long_s_per_token_1turn", 1.3, "<="),
+    ("time per trajectory token, 64 turns in a 32K buffer / 1 turn in its own",
+     "ours.long_s_per_token_many", "ours.s_per_token_1turn", 1.3, "<="),
 )
 # Context, no target.
 EXTRA = (("GRPO step, ours / Tunix at its defaults (beta 0.04)", "ours.grpo_step_s",
           "tunix.grpo_step_s"),
          ("PBSD step / GRPO step (ours)", "ours.pbsd_step_s", "ours.grpo_step_s"),
+         ("time per trajectory token, 64 turns / 1 turn, both in a 32K buffer",
+          "ours.long_s_per_token_many", "ours.long_s_per_token_1turn"),
          ("GRPO step, ours / TRL", "ours.grpo_step_s", "trl.grpo_step_s"))
 
 

@@ -256,6 +256,9 @@ def validate(config, num_devices: int | None = None) -> None:
   for field, low in (("batch_size", 1), ("max_examples", 0)):
     if config.sft[field] < low:
       _fail(f"sft.{field}", config.sft[field], f"must be >= {low}")
+  if config.sft.schedule and config.sft.schedule not in train_state.SCHEDULES:
+    _fail("sft.schedule", config.sft.schedule,
+          f"must be empty (optim.schedule) or one of {train_state.SCHEDULES}")
   if not 0.0 <= config.sft.teacher_fraction <= 1.0:
     _fail("sft.teacher_fraction", config.sft.teacher_fraction, "must be in [0, 1]")
   if config.sft.max_examples and config.sft.max_examples < config.sft.batch_size:

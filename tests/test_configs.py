@@ -81,6 +81,7 @@ def test_command_line_overrides_reach_the_algorithm():
     ("--config.sft.batch_size=0", "config.sft.batch_size"),
     ("--config.sft.teacher_fraction=1.5", "config.sft.teacher_fraction"),
     ("--config.eval.every=-1", "config.eval.every"),
+    ("--config.eval.sft_every=-2", "config.eval.sft_every"),
     # Rules that live in the constructors (environment, samplers, optimisers, plan, model).
     ("--config.env.top_k=0", "config.env.top_k"),
     ("--config.env.max_observation_tokens=2", "config.env.max_observation_tokens"),
@@ -90,6 +91,7 @@ def test_command_line_overrides_reach_the_algorithm():
     ("--config.optim.lr=0.0", "config.optim.lr"),
     ("--config.optim.b2=1.0", "config.optim.b2"),
     ("--config.optim.schedule=linear", "config.optim.schedule"),
+    ("--config.sft.schedule=linear", "config.sft.schedule"),
     ("--config.rl.epochs=0", "config.rl.epochs"),
     ("--config.rl.chunk_size=-1", "config.rl.chunk_size"),
     ("--config.model.dtype=float8", "config.model.dtype"),

@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import numpy as np
+
 from test_train import ROOT, SMALL
 
 
@@ -18,7 +20,8 @@ def test_the_demo_trains_grpo_and_pbsd_from_one_sft_checkpoint_and_reports_both(
   workdir = str(tmp_path / "demo")
   cmd = [sys.executable, os.path.join(ROOT, "scripts", "demo.py"), f"--workdir={workdir}",
          f"--config.data.dir={os.path.dirname(kg.paths['spm_model'])}", *SMALL,
-         "--config.eval.num_examples=8", "--config.eval.every=2"]
+         "--config.eval.num_examples=8", "--config.eval.every=2", "--config.eval.sft_every=3",
+         "--config.sft.schedule=cosine", "--config.sft.warmup_steps=1"]
   env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
   proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
@@ -34,10 +37,23 @@ def test_the_demo_trains_grpo_and_pbsd_from_one_sft_checkpoint_and_reports_both(
   for group, name in enumerate(paths, start=1):
     with open(paths[name]) as f:
       assert float(match.group(group)) == round(100 * json.load(f)["accuracy"], 1), name
-  assert {r["stage"] for r in _rows(os.path.join(workdir, "metrics.jsonl"))} == {"sft"}
+  sft_rows = _rows(os.path.join(workdir, "metrics.jsonl"))
+  assert {r["stage"] for r in sft_rows} == {"sft", "eval_sft"}
+  # sft.schedule=cosine over the 4 SFT steps (1 warm-up step; demo sft.lr 3e-3): updates 0..3
+  # at lr * (1 + cos(pi * p)) / 2, p = 0, 0, 1/3, 2/3; the RL stage keeps optim's constant
+  # schedule (2 warm-up steps to 1e-3).
+  np.testing.assert_allclose([r["learning_rate"] for r in sft_rows if r["stage"] == "sft"],
+                             [3e-3, 3e-3, 2.25e-3, 0.75e-3], rtol=1e-5)
+  # eval.sft_every=3 over 4 steps: step 3 and the last, which is the SFT evaluation.
+  sft_evals = {r["step"]: r["accuracy"] for r in sft_rows if r["stage"] == "eval_sft"}
+  assert sorted(sft_evals) == [3, 4]
+  with open(paths["sft"]) as f:
+    assert sft_evals[4] == json.load(f)["accuracy"]
   for name in ("grpo", "pbsd"):
     rows = _rows(os.path.join(workdir, name, "metrics.jsonl"))
     assert [r["step"] for r in rows if r["stage"] == "rl"] == [1, 2, 3]
+    np.testing.assert_allclose([r["learning_rate"] for r in rows if r["stage"] == "rl"],
+                               [0.5e-3, 1e-3, 1e-3], rtol=1e-5)
     # eval.every=2: step 0 (the SFT policy), 2, and the last step; the last is the final
     # evaluation, and step 0 is the SFT one (the same greedy evaluation of the same params).
     evals = {r["step"]: r["accuracy"] for r in rows if r["stage"] == "eval"}
