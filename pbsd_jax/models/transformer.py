@@ -152,8 +152,7 @@ def needed_tiles(query_slots: Array, key_mask: Array, size: int, q_block: int, k
   real key at or before one of its real queries (a query is real where `key_mask` holds its
   slot). Query blocks are `q_block` wide; key blocks follow `tiling(size, k_block)`."""
   b, t = query_slots.shape
-  nq, nk = -(-t // q_block), tiling(size, k_block)[0]
-  k_width = tiling(size, k_block)[1]
+  nq, (nk, k_width) = -(-t // q_block), tiling(size, k_block)
   real = (jnp.take_along_axis(key_mask, jnp.clip(query_slots, 0, size - 1), axis=1)
           & (query_slots < size))
   last = jnp.pad(jnp.where(real, query_slots, -1), ((0, 0), (0, nq * q_block - t)),
