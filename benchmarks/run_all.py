@@ -43,7 +43,8 @@ PEERS = (("tunix_grpo.py", []), ("tunix_grpo.py", ["--beta", "0", "--no-sampler"
 ONE = ["--repeats", "1"]
 QUICK = {"ours_rl.py": ONE, "ours_mfu.py": ["--rows", "4", *ONE], "ours_memory.py": [],
          "ours_long.py": ["--seq", "4096", "--base", "1024", *ONE],
-         "ours_multiturn.py": ["--long-turns", "8", "--long-buffer", "4096", *ONE], "tunix_grpo.py": ["--steps", "1", *ONE],
+         "ours_multiturn.py": ["--long-turns", "8", "--long-buffer", "4096", *ONE],
+         "tunix_grpo.py": ["--steps", "1", *ONE],
          "trl_grpo.py": ["--steps", "1"], "hf_generate.py": ONE}
 
 # (target, numerator, denominator, bound, "<=" or ">="); figures are "system.key".

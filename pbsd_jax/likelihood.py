@@ -120,8 +120,8 @@ def dual_logprobs(params: Any, config: ModelConfig, student_tokens: Array, stude
   DESIGN §2 "Non-replay evidence recomputation": one forward with the current parameters over
   both conditions as one batch of `2B` rows of `token_logprobs` (under a `vmap` the
   attention could not skip the tiles that no row needs). Index 0 is the student (ordinary
-  prompt), index 1 the teacher (privileged prompt); the two sequences share every trajectory column (DESIGN §3), so
-  `out[1] - out[0]` is the per-token evidence `l_{i,j}` on action tokens. The student half
+  prompt), index 1 the teacher (privileged prompt); the two sequences share every trajectory
+  column (DESIGN §3), so `out[1] - out[0]` is the per-token evidence `l_{i,j}` on action tokens. The student half
   doubles as the "old" log-probs of the PPO ratio.
 
   Args:

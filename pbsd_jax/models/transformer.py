@@ -146,6 +146,13 @@ def tiling(size: int, block: int) -> tuple[int, int]:
   return count, -(-size // count)
 
 
+def layer_window(x: Array, layer: Array | int, start: Array | int, width: int, dtype) -> Array:
+  """Slots `[start, start + width)` of layer `layer` of an all-layer cache array
+  `[layers, B, kv_heads, S, head_dim]`, read in place, in `dtype`."""
+  return jax.lax.dynamic_slice(x, (layer, 0, 0, start, 0),
+                               (1, *x.shape[1:3], width, x.shape[4]))[0].astype(dtype)
+
+
 def needed_tiles(query_slots: Array, key_mask: Array, size: int, q_block: int, k_block: int
                  ) -> Array:
   """`bool[query blocks, key blocks]`: the tiles of `tiled_attention` in which some row has a
@@ -206,9 +213,7 @@ def _flash_layout(q, keys, query_slots, key_mask, blocks):
     """Scaled scores `f32[B, kvh, g, w, width]` of one tile (-inf where not allowed), its
     keys and values, and its first slot."""
     start = jnp.minimum(j * k_width, size - k_width)
-    window = lambda x: jax.lax.dynamic_slice(
-        x, (layer, 0, 0, start, 0), (1, *x.shape[1:3], k_width, x.shape[4]))[0].astype(q.dtype)
-    k_tile, v_tile = window(keys), window(values)
+    k_tile, v_tile = (layer_window(x, layer, start, k_width, q.dtype) for x in (keys, values))
     key_slot = start + jnp.arange(k_width)
     ok = (jax.lax.dynamic_slice_in_dim(key_mask, start, k_width, 1)[:, None, :]
           & (key_slot >= j * k_width)[None, None, :]
@@ -410,9 +415,7 @@ class Attention(nn.Module):
 
     def read(start, width):
       """This layer's keys and values of slots `[start, start + width)`, in the compute dtype."""
-      window = lambda x: jax.lax.dynamic_slice(
-          x, (layer, 0, 0, start, 0), (1, *x.shape[1:3], width, x.shape[4]))[0].astype(dt)
-      return window(all_keys), window(all_values)
+      return tuple(layer_window(x, layer, start, width, dt) for x in (all_keys, all_values))
 
     def attend_one(q):
       """One query per row (a decode step), over the filled slots only.
