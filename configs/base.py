@@ -29,8 +29,13 @@ def get_config() -> ml_collections.ConfigDict:
   # `question`, `golden_answers`): `train_files`, `eval_files`, and `sft_files` (JSONL of
   # `question` + `trajectory` text). `corpus`: a corpus JSONL (`id`, `contents`) for the
   # ingraph/host/bm25s retrievers (default: the embedded corpus). `chat_template`: render
-  # prompts with the init_dir model's chat template.
+  # prompts with the init_dir model's chat template. The embedded task's generator:
+  # `family_rate` (the share of names with confusable variants), `detour_share` (the share of
+  # SFT trajectories that take one sloppy search first) and `hop_weights` (the in-domain
+  # sampling weights of 1, 2, ... hops); a made `dir` must hold a dataset made with them.
   c.data = ml_collections.ConfigDict(dict(dir="", make_if_missing=True, data_seed=0,
+                                          family_rate=0.4, detour_share=0.15,
+                                          hop_weights=(0.3, 0.3, 0.25, 0.15),
                                           prompt_width=72, gold_width=12,
                                           prompt_template="default", train_files="",
                                           eval_files="", sft_files="", corpus="",

@@ -20,6 +20,8 @@ import jax
 from jax.sharding import Mesh
 
 from pbsd_jax import algorithms, learner, sharding, train_state
+from pbsd_jax.data import splits as splits_lib
+from pbsd_jax.data import world as world_lib
 from pbsd_jax.env import protocol
 from pbsd_jax.env.agent_env import AgentEnv
 from pbsd_jax.env.http import HttpRetriever
@@ -209,6 +211,25 @@ def _describe_mesh(mesh: Mesh) -> str:
   return ", ".join(f"{name}={size}" for name, size in mesh.shape.items())
 
 
+def dataset_args(config) -> dict[str, Any]:
+  """The embedded task's generator arguments from the `data` section: the keyword arguments
+  of `data.build.make_dataset` after its output directory (seed, world and split sizes,
+  detour share)."""
+  d = config.data
+  if not 0.0 <= d.detour_share <= 1.0:
+    _fail("data.detour_share", d.detour_share, "must be in [0, 1]")
+  try:
+    world_sizes = world_lib.WorldSizes(family_rate=d.family_rate)
+  except ValueError as err:
+    _fail("data.family_rate", d.family_rate, str(err))
+  try:
+    split_sizes = splits_lib.SplitSizes(hop_weights=tuple(float(w) for w in d.hop_weights))
+  except (TypeError, ValueError) as err:
+    _fail("data.hop_weights", d.hop_weights, str(err))
+  return dict(seed=d.data_seed, world_sizes=world_sizes, split_sizes=split_sizes,
+              detour_share=d.detour_share)
+
+
 def model_before_data(config) -> ModelConfig:
   """`build_model_config` before the vocabulary is read (a stand-in size for the embedded
   task's): everything but the embedding's rows."""
@@ -223,6 +244,8 @@ def validate(config, num_devices: int | None = None) -> None:
   """
   build_algorithm(config)
   model = model_before_data(config)
+  if not config.data.train_files:
+    dataset_args(config)
   if config.data.prompt_template not in protocol.PROMPT_TEMPLATES:
     _fail("data.prompt_template", config.data.prompt_template,
           f"must be one of {sorted(protocol.PROMPT_TEMPLATES)}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import re
 import shutil
@@ -173,6 +174,24 @@ def _probe(retriever, url: str) -> None:
                                  f"answer ({err.reason})") from None
 
 
+def _check_manifest(config, path: str) -> None:
+  """A dataset made with other generator arguments than the `data` section's fails naming
+  the first field that differs (the field would otherwise change nothing)."""
+  with open(path) as f:
+    made = json.load(f)
+  args = run_config.dataset_args(config)
+  for field, want, got in (
+      ("data_seed", args["seed"], made["seed"]),
+      ("family_rate", args["world_sizes"].family_rate, made["world_sizes"]["family_rate"]),
+      ("detour_share", args["detour_share"], made["detour_share"]),
+      ("hop_weights", list(args["split_sizes"].hop_weights),
+       made["split_sizes"]["hop_weights"])):
+    if want != got:
+      raise run_config.ConfigError(
+          f"config.data.{field}={config.data[field]!r}: the dataset in {os.path.dirname(path)} "
+          f"was made with {got!r} (make another data.dir, or set the field to match)")
+
+
 def prepare_task(config, workdir: str) -> Task:
   """Reads the questions, the vocabulary and the corpus `config` names and builds the
   environment and retrievers.
@@ -209,11 +228,13 @@ def prepare_task(config, workdir: str) -> Task:
                                    ("sft", "sft_files"))}
   else:
     data_dir = config.data.dir or os.path.join(workdir, "data")
-    if not os.path.exists(os.path.join(data_dir, "manifest.json")):
+    manifest = os.path.join(data_dir, "manifest.json")
+    if not os.path.exists(manifest):
       if not config.data.make_if_missing:
         raise FileNotFoundError(f"config.data.dir={data_dir!r} holds no dataset "
                                 "(manifest.json is missing); run scripts/make_data.py")
-      make_dataset(data_dir, seed=config.data.data_seed)
+      make_dataset(data_dir, **run_config.dataset_args(config))
+    _check_manifest(config, manifest)
     splits = {name: read_records(os.path.join(data_dir, f"{name}.jsonl"))
               for name in ("rl_train", "rl_validation", "sft", "ood")}
     pool = os.path.join(data_dir, "ood_pool.jsonl")  # datasets made before it have none

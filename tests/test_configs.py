@@ -102,6 +102,9 @@ def test_command_line_overrides_reach_the_algorithm():
     ("--config.rl.save_rollouts=-1", "config.rl.save_rollouts"),
     ("--config.pbsd.replay_routing=True", "config.pbsd.replay_routing"),  # a dense model
     ("--config.env.index=csr", "config.env.index"),
+    ("--config.data.detour_share=1.5", "config.data.detour_share"),
+    ("--config.data.family_rate=-0.1", "config.data.family_rate"),
+    ("--config.data.hop_weights=(0.2,0.2,0.2,0.2,0.2)", "config.data.hop_weights"),
     # The retrieval client's settings, whichever retriever is chosen.
     ("--config.env.timeout_s=0.0", "config.env.timeout_s"),
     ("--config.env.max_retries=-1", "config.env.max_retries"),

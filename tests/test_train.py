@@ -246,3 +246,24 @@ def test_replayed_routing_trains_an_moe_model_from_the_sampler_routes(kg, tmp_pa
   (row,) = [r for r in _metrics(workdir) if r["stage"] == "rl"]
   assert row["mean_action_tokens"] > 0 and row["credit/mean_abs_evidence"] > 0
   assert np.isfinite(row["loss"]) and np.isfinite(row["grad_norm"])
+
+
+def test_the_generator_fields_make_the_dataset_and_a_made_one_must_match(tmp_path):
+  from pbsd_jax import run_config, task as task_lib
+  from pbsd_jax.data import world as world_lib
+  from test_configs import load
+
+  fields = ("--config.data.family_rate=1.0", "--config.data.detour_share=0.5",
+            "--config.data.hop_weights=(0.0,0.0,1.0)")
+  task_lib.prepare_task(load("pbsd", *SMALL, *fields), str(tmp_path))
+  with open(tmp_path / "data" / "sft.jsonl") as f:
+    sft = [json.loads(line) for line in f]
+  assert {r["hops"] for r in sft} == {3}
+  assert sum(any(r["detour_turns"]) for r in sft) == len(sft) // 2
+  with open(tmp_path / "data" / "world.json") as f:
+    families = json.load(f)["families"]
+  default = world_lib.make_world(0).families
+  assert sum(map(len, families)) > 1.5 * sum(map(len, default))
+  with pytest.raises(run_config.ConfigError,
+                     match=r"config\.data\.detour_share=0\.15: .* was made with 0\.5"):
+    task_lib.prepare_task(load("pbsd", *SMALL, *fields[::2]), str(tmp_path))
