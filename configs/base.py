@@ -11,6 +11,7 @@ The algorithm sections take their defaults from the algorithms themselves
 import ml_collections
 
 from pbsd_jax import run_config
+from pbsd_jax.data import oracle, splits, world
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -34,8 +35,9 @@ def get_config() -> ml_collections.ConfigDict:
   # SFT trajectories that take one sloppy search first) and `hop_weights` (the in-domain
   # sampling weights of 1, 2, ... hops); a made `dir` must hold a dataset made with them.
   c.data = ml_collections.ConfigDict(dict(dir="", make_if_missing=True, data_seed=0,
-                                          family_rate=0.4, detour_share=0.15,
-                                          hop_weights=(0.3, 0.3, 0.25, 0.15),
+                                          family_rate=world.WorldSizes.family_rate,
+                                          detour_share=oracle.DETOUR_SHARE,
+                                          hop_weights=splits.SplitSizes.hop_weights,
                                           prompt_width=72, gold_width=12,
                                           prompt_template="default", train_files="",
                                           eval_files="", sft_files="", corpus="",

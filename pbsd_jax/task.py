@@ -234,7 +234,8 @@ def prepare_task(config, workdir: str) -> Task:
         raise FileNotFoundError(f"config.data.dir={data_dir!r} holds no dataset "
                                 "(manifest.json is missing); run scripts/make_data.py")
       make_dataset(data_dir, **run_config.dataset_args(config))
-    _check_manifest(config, manifest)
+    else:
+      _check_manifest(config, manifest)
     splits = {name: read_records(os.path.join(data_dir, f"{name}.jsonl"))
               for name in ("rl_train", "rl_validation", "sft", "ood")}
     pool = os.path.join(data_dir, "ood_pool.jsonl")  # datasets made before it have none

@@ -9,6 +9,7 @@ from absl import app
 from absl import flags
 
 from pbsd_jax.data import build
+from pbsd_jax.data import oracle
 from pbsd_jax.data import splits
 from pbsd_jax.data import world
 
@@ -16,7 +17,7 @@ _OUT = flags.DEFINE_string("out", None, "Output directory.", required=True)
 _SEED = flags.DEFINE_integer("seed", 0, "The seed everything derives from.")
 _VOCAB_SIZE = flags.DEFINE_integer("vocab_size", 2048, "SentencePiece vocabulary size.")
 _DETOUR_SHARE = flags.DEFINE_float(
-    "detour_share", 0.15, "Share of SFT trajectories with a sloppy first query.")
+    "detour_share", oracle.DETOUR_SHARE, "Share of SFT trajectories with a sloppy first query.")
 _FAMILY_RATE = flags.DEFINE_float(
     "family_rate", world.WorldSizes.family_rate, "Share of names with confusable variants.")
 _HOP_WEIGHTS = flags.DEFINE_list(

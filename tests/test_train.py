@@ -253,9 +253,9 @@ def test_the_generator_fields_make_the_dataset_and_a_made_one_must_match(tmp_pat
   from pbsd_jax.data import world as world_lib
   from test_configs import load
 
-  fields = ("--config.data.family_rate=1.0", "--config.data.detour_share=0.5",
-            "--config.data.hop_weights=(0.0,0.0,1.0)")
-  task_lib.prepare_task(load("pbsd", *SMALL, *fields), str(tmp_path))
+  family, hops = "--config.data.family_rate=1.0", "--config.data.hop_weights=(0.0,0.0,1.0)"
+  task_lib.prepare_task(load("pbsd", *SMALL, family, "--config.data.detour_share=0.5", hops),
+                        str(tmp_path))
   with open(tmp_path / "data" / "sft.jsonl") as f:
     sft = [json.loads(line) for line in f]
   assert {r["hops"] for r in sft} == {3}
@@ -266,4 +266,4 @@ def test_the_generator_fields_make_the_dataset_and_a_made_one_must_match(tmp_pat
   assert sum(map(len, families)) > 1.5 * sum(map(len, default))
   with pytest.raises(run_config.ConfigError,
                      match=r"config\.data\.detour_share=0\.15: .* was made with 0\.5"):
-    task_lib.prepare_task(load("pbsd", *SMALL, *fields[::2]), str(tmp_path))
+    task_lib.prepare_task(load("pbsd", *SMALL, family, hops), str(tmp_path))

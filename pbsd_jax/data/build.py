@@ -32,7 +32,7 @@ from pbsd_jax.env import protocol
 def make_dataset(out_dir: str, seed: int = 0,
                  world_sizes: world_lib.WorldSizes = world_lib.WorldSizes(),
                  split_sizes: splits_lib.SplitSizes = splits_lib.SplitSizes(),
-                 detour_share: float = 0.15, vocab_size: int = 2048) -> dict[str, str]:
+                 detour_share: float = oracle_lib.DETOUR_SHARE, vocab_size: int = 2048) -> dict[str, str]:
   """Generates the world, corpus, splits, oracle trajectories and vocabulary into `out_dir`.
 
   Args:

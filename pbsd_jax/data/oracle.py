@@ -29,6 +29,7 @@ from pbsd_jax.data import world as world_lib
 from pbsd_jax.env import protocol
 
 DETOUR_KINDS = ("neighbour", "question")
+DETOUR_SHARE = 0.15  # the embedded task's default share of trajectories that take a detour
 
 
 @dataclasses.dataclass(frozen=True)
