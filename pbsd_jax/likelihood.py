@@ -64,7 +64,9 @@ def logprobs_from_hidden(unembed: Callable[[Array], Array], hidden: Array, token
     tokens: `i32[B, T]` the tokens to score.
     mask: `bool[B, T]` real tokens.
     chunk_size: positions per LM-head chunk (None: all at once).
-    with_entropy: also return the entropy of the distribution that predicted each token.
+    with_entropy: also return the entropy of the distribution that predicted each token, a
+      metric: it carries no gradient, so a backward pass through the log-probs does no work
+      for it.
     score_from: static first column to score (>= 1); earlier columns get 0 and the LM head
       never runs on them (the learner passes the prompt width: it trains on trajectory
       tokens only).
@@ -76,8 +78,8 @@ def logprobs_from_hidden(unembed: Callable[[Array], Array], hidden: Array, token
     logits = unembed(h)
     log_z = jax.nn.logsumexp(logits, axis=-1)
     logp = jnp.take_along_axis(logits, target[..., None], axis=-1)[..., 0] - log_z
-    probs = jnp.exp(logits - log_z[..., None])
-    entropy = log_z - jnp.sum(probs * logits, axis=-1)
+    logits, log_z = jax.lax.stop_gradient((logits, log_z))
+    entropy = log_z - jnp.sum(jnp.exp(logits - log_z[..., None]) * logits, axis=-1)
     return logp, entropy
 
   # The distribution at slot t-1 predicts token t.
