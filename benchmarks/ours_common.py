@@ -43,17 +43,23 @@ def parser(doc: str) -> argparse.ArgumentParser:
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                  help="compute dtype (parameters stay float32 master weights)")
   p.add_argument("--repeats", type=int, default=3, help="timed calls after the warm-up")
+  p.add_argument("--scan-unroll", type=int, default=1,
+                 help="layers per iteration of the layer scan (ModelConfig.scan_unroll); 0: "
+                      "all of them, unrolled as the peers' Python loops over layers are")
   return p
 
 
 def load_model(args) -> tuple[ModelConfig, Any]:
-  """`(config, params)` from `--model` or `--size`: float32 parameters, `--dtype` compute."""
+  """`(config, params)` from `--model` or `--size`: float32 parameters, `--dtype` compute,
+  `--scan-unroll` layers per scan iteration."""
   if args.model:
-    return hf.load(args.model, param_dtype="float32", dtype=args.dtype)
-  if not args.size:
+    config, params = hf.load(args.model, param_dtype="float32", dtype=args.dtype)
+  elif args.size:
+    config = ModelConfig(**SIZES[args.size], param_dtype="float32", dtype=args.dtype)
+    params = init_params(config, jax.random.key(0))
+  else:
     raise SystemExit("pass --model DIR (benchmarks/reference.py --out DIR) or --size NAME")
-  config = ModelConfig(**SIZES[args.size], param_dtype="float32", dtype=args.dtype)
-  return config, init_params(config, jax.random.key(0))
+  return config.replace(scan_unroll=args.scan_unroll or config.num_layers), params
 
 
 def load_prompts(args, config: ModelConfig, num: int = 8, width: int = 64) -> np.ndarray:

@@ -155,7 +155,7 @@ def main():
   prompts, mask, teacher = map(jnp.asarray, (prompts, mask, teacher))
   only = set(args.only or ("sampler", "grpo", "pbsd"))
   result = {"batch": int(prompts.shape[0]), "new_tokens": args.new_tokens,
-            "dtype": config.dtype}
+            "dtype": config.dtype, "scan_unroll": config.scan_unroll}
   if "sampler" in only:
     result.update(measure_sampler(config, params, prompts, mask, args))
     peaks = ours_common.chip_peaks()

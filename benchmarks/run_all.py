@@ -36,6 +36,8 @@ PEERS_VENV_COMMAND = ("python3 -m venv benchmarks/.venv-peers && benchmarks/.ven
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
 OURS = ("ours_rl.py", "ours_mfu.py", "ours_memory.py", "ours_long.py", "ours_multiturn.py")
+# The RL step with the reference shape's 2 layers unrolled, as the peers loop over layers.
+OURS_ARGS = {"ours_rl.py": ["--scan-unroll", "0"]}
 # (script, arguments): Tunix twice, at its defaults and at beta 0 (our GRPO's setting).
 PEERS = (("tunix_grpo.py", []), ("tunix_grpo.py", ["--beta", "0", "--no-sampler"]),
          ("trl_grpo.py", []), ("hf_generate.py", []))
@@ -218,7 +220,7 @@ def run_everything(args, model_dir: str) -> tuple[dict, list[str]]:
 
   if args.only in ("all", "ours"):
     for script in OURS:
-      extra = QUICK.get(script, []) if args.quick else []
+      extra = OURS_ARGS.get(script, []) + (QUICK.get(script, []) if args.quick else [])
       record("ours", run_script(sys.executable, os.path.join(HERE, script), common + extra,
                                 args.timeout), script)
   if args.only in ("all", "peers"):

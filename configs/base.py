@@ -22,8 +22,11 @@ def get_config() -> ml_collections.ConfigDict:
   # Model: a size of pbsd_jax/models/sizes.py, or `init_dir`: start from a checkpoint directory
   # (scripts/convert_hf.py output or a train workdir's ckpt_*) with its model_config.json.
   # attention: "ours" or "dot_product" (jax.nn.dot_product_attention; cuDNN flash on GPU).
+  # remat, scan_unroll (layers per iteration of the layer scan) and attention say how the
+  # layers are computed, also for an init_dir model, and may change on resume.
   c.model = ml_collections.ConfigDict(dict(name="tiny", init_dir="", param_dtype="float32",
-                                           dtype="float32", remat=False, attention="ours"))
+                                           dtype="float32", remat=False, scan_unroll=1,
+                                           attention="ours"))
 
   # Data: the embedded task, where `dir` holds make_data.py output (made there if missing and
   # `make_if_missing`); or user files (comma-separated, Search-R1 .jsonl/.parquet with

@@ -120,8 +120,10 @@ def build_model_config(config, vocab_size: int | None = None) -> ModelConfig:
       _fail("model.init_dir", config.model.init_dir,
             f"holds no tokenizer, and the model's vocab_size={model.vocab_size} is not the "
             f"data vocabulary's {vocab_size}")
-    with naming_fields({"attention": "model.attention"}, "model"):
-      return model.replace(attention=config.model.attention)
+    # How the layers are computed is the run's choice; what they compute is the checkpoint's.
+    compute = {f: config.model[f] for f in ("remat", "scan_unroll", "attention")}
+    with naming_fields({f: f"model.{f}" for f in compute}, "model"):
+      return model.replace(**compute)
   name = config.model.name
   if name not in SIZES:
     _fail("model.name", name, f"unknown model size; known: {sorted(SIZES)}")
@@ -130,11 +132,10 @@ def build_model_config(config, vocab_size: int | None = None) -> ModelConfig:
     if vocab_size is None:
       _fail("model.name", name, "this size takes vocab_size from the vocabulary; none given")
     kwargs["vocab_size"] = vocab_size
-  fields = {f: f"model.{f}" for f in ("param_dtype", "dtype", "remat", "attention")}
+  fields = {f: f"model.{f}" for f in ("param_dtype", "dtype", "remat", "scan_unroll",
+                                       "attention")}
   with naming_fields(fields, "model"):
-    return ModelConfig(**kwargs, param_dtype=config.model.param_dtype,
-                       dtype=config.model.dtype, remat=config.model.remat,
-                       attention=config.model.attention)
+    return ModelConfig(**kwargs, **{f: config.model[f] for f in fields})
 
 
 def build_optimizer(config, stage: str):

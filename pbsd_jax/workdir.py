@@ -6,7 +6,8 @@ it ends, so a killed run never leaves the workdir locked -- and compares the run
 configuration with the one recorded in `<workdir>/run_config.json` by the run that made it.
 Only the `RESUMABLE` fields may differ on resume: they change how long the run goes on, how
 it is evaluated and logged, where the retriever is, the mesh it runs on (a checkpoint
-restores onto any mesh) or the attention kernel, never what the checkpoints hold.
+restores onto any mesh) or how the layers are computed (rematerialisation, the layer scan's
+unroll, the attention kernel), never what the checkpoints hold.
 
 `fingerprint` is a hash of the configuration without those fields; the checkpoints record it
 so that a step saved by another configuration is not restored as this run's.
@@ -23,7 +24,8 @@ from typing import Any
 # Fields (or whole sections) that may change when a run resumes.
 RESUMABLE = ("sft.steps", "rl.steps", "rl.save_rollouts", "eval", "checkpoint.save_interval_steps",
              "checkpoint.max_to_keep", "checkpoint.async_save", "env.url", "env.timeout_s",
-             "env.max_retries", "env.index_dir", "env.index", "mesh", "model.attention")
+             "env.max_retries", "env.index_dir", "env.index", "mesh", "model.remat",
+             "model.scan_unroll", "model.attention")
 CONFIG_FILE = "run_config.json"
 LOCK_FILE = ".lock"
 _held: list = []  # the locks `claim_for_script` keeps for the life of the process

@@ -82,6 +82,12 @@ class ModelConfig:
   param_dtype: str = "float32"
   dtype: str = "float32"
   remat: bool = False
+  # Layers per iteration of the layer scan (`lax.scan`'s `unroll`); `num_layers` or more
+  # unrolls it fully. The parameters keep their stacked layout either way. On XLA:CPU a
+  # fully unrolled shallow model trains faster (the backward pass no longer writes every
+  # layer's activations into stacked buffers and reads them back: benchmarks/ours_rl.py);
+  # compile time grows with the layers unrolled.
+  scan_unroll: int = 1
   # Attention over several queries per row (the training forward, prefill, appends): "ours"
   # (`Attention`'s einsums, queries in blocks) or "dot_product" (`jax.nn.dot_product_attention`:
   # cuDNN flash attention on GPU in bfloat16 / float16, XLA elsewhere). Decode steps (one query
@@ -92,7 +98,7 @@ class ModelConfig:
     if isinstance(self.rope_scaling, dict):  # as read back from JSON
       object.__setattr__(self, "rope_scaling", RopeScaling(**self.rope_scaling))
     positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                "mlp_dim")
+                "mlp_dim", "scan_unroll")
     for name in positive:
       if getattr(self, name) <= 0:
         raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)}")

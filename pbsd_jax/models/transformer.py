@@ -571,6 +571,7 @@ class Transformer(nn.Module):
         split_rngs={"params": True},
         in_axes=(nn.broadcast, nn.broadcast, nn.broadcast, 0),
         length=c.num_layers,
+        unroll=min(c.scan_unroll, c.num_layers),
         metadata_params={nn.PARTITION_NAME: "layers"},
     )(c, name="layers")
     self.final_norm = RMSNorm(c, name="final_norm")
