@@ -175,6 +175,22 @@ def test_the_attention_switch_reaches_the_model_config():
   assert train.build_model_config(load("demo"), vocab_size=2048).attention == "ours"
 
 
+def test_how_the_layers_are_computed_is_the_runs_choice_also_for_an_init_dir_model(tmp_path):
+  from pbsd_jax import policy_checkpoint
+  saved = train.build_model_config(load("demo"), vocab_size=2048)
+  policy_checkpoint.save_model_config(str(tmp_path), saved.replace(remat=True, scan_unroll=2))
+  flags = (f"--config.model.init_dir={tmp_path}", "--config.model.scan_unroll=3",
+           "--config.model.attention=dot_product")
+  for config in (train.build_model_config(load("demo", *flags), vocab_size=2048),
+                 train.build_model_config(load("demo", *flags[1:]), vocab_size=2048)):
+    assert (config.remat, config.scan_unroll, config.attention) == (False, 3, "dot_product")
+    assert config.replace(remat=True, scan_unroll=2, attention="ours") == saved.replace(
+        remat=True, scan_unroll=2)
+  with pytest.raises(train.ConfigError, match=r"^config\.model\.scan_unroll: "):
+    train.build_model_config(load("demo", *flags[:1], "--config.model.scan_unroll=0"),
+                             vocab_size=2048)
+
+
 def test_tiny_size_takes_the_vocabulary_size():
   config = train.build_model_config(load("demo"), vocab_size=2048)
   assert isinstance(config, ModelConfig) and config.vocab_size == 2048

@@ -156,6 +156,22 @@ def test_entropy_matches_definition():
   np.testing.assert_allclose(ent[0, 2], -jnp.sum(p * jnp.log(p)), atol=1e-5)
 
 
+def test_the_entropy_metric_carries_no_gradient():
+  params = _setup(DENSE)
+  tokens = jnp.array([[3, 4, 5, 6]])
+  mask = jnp.ones((1, 4), bool)
+
+  def loss(p, entropy_weight, chunk):
+    logp, ent = token_logprobs(p, DENSE, tokens, mask, chunk_size=chunk, with_entropy=True)
+    return logp.sum() + entropy_weight * ent.sum()
+
+  for chunk in (None, 2):
+    plain, with_entropy = (jax.grad(loss)(params, w, chunk) for w in (0.0, 10.0))
+    for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(with_entropy)):
+      np.testing.assert_array_equal(a, b)
+    assert float(loss(params, 1.0, chunk) - loss(params, 0.0, chunk)) > 0.5  # entropy is real
+
+
 def test_moe_returns_router_choices_with_documented_shape():
   params = _setup(MOE)
   out = _forward(MOE, params, jnp.ones((3, 7), jnp.int32))
@@ -226,12 +242,45 @@ def test_remat_gives_the_same_gradients():
     np.testing.assert_allclose(a, b, atol=1e-6)
 
 
+def _scan_unrolls(fn, *args) -> list:
+  """The `unroll` of every `scan` over the model's layers in the program of `fn(*args)`."""
+  found = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "scan" and eqn.params["length"] == DENSE.num_layers:
+        found.append(eqn.params["unroll"])
+      for value in eqn.params.values():
+        for sub in value if isinstance(value, (tuple, list)) else (value,):
+          if hasattr(sub, "eqns") or hasattr(sub, "jaxpr"):
+            walk(getattr(sub, "jaxpr", sub))
+
+  walk(jax.make_jaxpr(fn)(*args).jaxpr)
+  return found
+
+
+def test_an_unrolled_layer_scan_gives_the_same_gradients():
+  params = _setup(DENSE)
+  tokens = jnp.array([[1, 2, 3, 4, 5]])
+  mask = jnp.ones((1, 5), bool)
+  loss = lambda c: lambda p: token_logprobs(p, c, tokens, mask).sum()
+  unrolled = DENSE.replace(scan_unroll=DENSE.num_layers)
+  assert _scan_unrolls(loss(DENSE), params) == [1]
+  assert _scan_unrolls(loss(unrolled), params) == [DENSE.num_layers]
+  assert _scan_unrolls(loss(DENSE.replace(scan_unroll=5)), params) == [DENSE.num_layers]
+  for a, b in zip(jax.tree.leaves(jax.grad(loss(DENSE))(params)),
+                  jax.tree.leaves(jax.grad(loss(unrolled))(params))):
+    assert np.abs(a).max() > 0
+    np.testing.assert_allclose(a, b, atol=1e-6)
+
+
 @pytest.mark.parametrize("changes, field", [
     ({"num_heads": 5}, "num_heads"),
     ({"num_kv_heads": 3}, "num_kv_heads"),
     ({"head_dim": 7}, "head_dim"),
     ({"num_experts": 2, "num_experts_per_tok": 3}, "num_experts_per_tok"),
     ({"hidden_size": 0}, "hidden_size"),
+    ({"scan_unroll": 0}, "scan_unroll"),
     ({"dtype": "float64"}, "dtype"),
     ({"rope_theta": -1.0}, "rope_theta"),
 ])
