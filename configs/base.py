@@ -21,7 +21,8 @@ def get_config() -> ml_collections.ConfigDict:
 
   # Model: a size of pbsd_jax/models/sizes.py, or `init_dir`: start from a checkpoint directory
   # (scripts/convert_hf.py output or a train workdir's ckpt_*) with its model_config.json.
-  # attention: "ours" or "dot_product" (jax.nn.dot_product_attention; cuDNN flash on GPU).
+  # attention: "ours" or "dot_product" (the accelerator's kernel: cuDNN flash attention on GPU,
+  # Pallas splash attention on TPU, XLA on CPU), or "splash" (the splash kernel anywhere).
   # remat, scan_unroll (layers per iteration of the layer scan) and attention say how the
   # layers are computed, also for an init_dir model, and may change on resume.
   c.model = ml_collections.ConfigDict(dict(name="tiny", init_dir="", param_dtype="float32",

@@ -412,13 +412,15 @@ def test_model_in_small_tiles_equals_one_tile_in_logits_and_gradient(monkeypatch
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("kernel", ["dot_product", "splash"])
 @pytest.mark.parametrize("config", [DENSE, QWEN3], ids=["gqa_2_groups", "mqa_head_dim_12"])
-def test_dot_product_attention_switch_gives_our_logits_gradients_and_prefill(config):
-  """`attention="dot_product"` (`jax.nn.dot_product_attention`, XLA on CPU) against ours:
-  left-padded rows, grouped KV heads; the training forward, its gradient, and a prefill into
-  the cache followed by our decode step."""
+def test_the_attention_switch_gives_our_logits_gradients_and_prefill(config, kernel):
+  """`attention="dot_product"` (`jax.nn.dot_product_attention`, XLA on CPU) and `"splash"`
+  (the Pallas splash kernel, interpreted on CPU, for the forward without a cache) against
+  ours: left-padded rows, grouped KV heads; the training forward, its gradient, and a prefill
+  into the cache followed by our decode step."""
   params = _setup(config)
-  library = config.replace(attention="dot_product")
+  library = config.replace(attention=kernel)
   tokens = jax.random.randint(jax.random.key(2), (3, 9), 0, config.vocab_size)
   mask = jnp.ones((3, 9), bool).at[1, :3].set(False).at[2, :5].set(False)
   ours, theirs = _forward(config, params, tokens, mask), _forward(library, params, tokens, mask)
@@ -437,9 +439,10 @@ def test_dot_product_attention_switch_gives_our_logits_gradients_and_prefill(con
                    write_index=jnp.zeros(3, jnp.int32))
     step = _forward(c, params, tokens[:, 8:], cache=out.cache, write_index=jnp.full((3,), 8))
     logits[c.attention] = (out.logits, step.logits)
-  for a, b in zip(logits["dot_product"], logits["ours"]):
+  for a, b in zip(logits[kernel], logits["ours"]):
     np.testing.assert_allclose(a[:, -1], b[:, -1], atol=2e-5, rtol=0)
   assert np.abs(np.asarray(ours.logits[mask])).max() > 0.1  # the checked logits are not ~0
   trace = lambda c: str(jax.make_jaxpr(lambda p: Transformer(c).apply(
       {"params": p}, tokens, mask).logits)(params))
   assert trace(library) != trace(config)  # the switch runs another program
+  assert ("pallas_call" in trace(library)) == (kernel == "splash")

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 ROPE_TYPES = ("llama3", "yarn")
-ATTENTION = ("ours", "dot_product")
+ATTENTION = ("ours", "dot_product", "splash")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,9 +89,12 @@ class ModelConfig:
   # compile time grows with the layers unrolled.
   scan_unroll: int = 1
   # Attention over several queries per row (the training forward, prefill, appends): "ours"
-  # (`Attention`'s einsums, queries in blocks) or "dot_product" (`jax.nn.dot_product_attention`:
-  # cuDNN flash attention on GPU in bfloat16 / float16, XLA elsewhere). Decode steps (one query
-  # per row) always use ours.
+  # (`Attention`'s einsums, queries in blocks) or the accelerators' kernels, "dot_product":
+  # on GPU `jax.nn.dot_product_attention` (cuDNN flash attention in bfloat16 / float16), on
+  # TPU the Pallas splash-attention kernel for the forward without a cache (training,
+  # evidence, SFT), elsewhere XLA's `dot_product_attention`. "splash" runs the splash kernel
+  # on any backend (interpreted off TPU: slow, for tests). Decode steps (one query per row)
+  # always use ours.
   attention: str = "ours"
 
   def __post_init__(self):
