@@ -197,9 +197,11 @@ class Sampler:
       raise ValueError(f"Sampler.top_k must be in [0, vocab_size={self.model.vocab_size}], "
                        f"got {self.top_k}")
 
-  def _forward(self, params, tokens, mask, cache, write_index, compute_logits=True):
+  def _forward(self, params, tokens, mask, cache, write_index, compute_logits=True,
+               empty_cache=False):
     return Transformer(self.model).apply({"params": params}, tokens, mask, cache=cache,
-                                         write_index=write_index, compute_logits=compute_logits)
+                                         write_index=write_index, compute_logits=compute_logits,
+                                         empty_cache=empty_cache)
 
   def _record(self, routes: Array | None, rows: Array, slots: Array, out) -> Array | None:
     """`routes` with the forward's `out.routes` (`[layers, B, n, k]`) written at
@@ -225,7 +227,7 @@ class Sampler:
       raise ValueError(f"buffer_size={buffer_size} is smaller than the prompt width {p}")
     cache = KVCache.init(self.model, b, buffer_size)
     out = self._forward(params, tokens, mask, cache, jnp.zeros((b,), jnp.int32),
-                        compute_logits=False)
+                        compute_logits=False, empty_cache=True)
     buf = jnp.zeros((b, buffer_size), jnp.int32).at[:, :p].set(jnp.where(mask, tokens, 0))
     routes = None
     if self.record_routes:

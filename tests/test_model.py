@@ -32,10 +32,12 @@ def _setup(config, seed=0):
   return _randomize(init_params(config, jax.random.key(seed)), seed)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _forward(config, params, tokens, mask=None, cache=None, write_index=None, routes=None):
+@functools.partial(jax.jit, static_argnums=0, static_argnames="empty_cache")
+def _forward(config, params, tokens, mask=None, cache=None, write_index=None, routes=None,
+             empty_cache=False):
   return Transformer(config).apply({"params": params}, tokens, mask, cache=cache,
-                                   write_index=write_index, routes=routes)
+                                   write_index=write_index, routes=routes,
+                                   empty_cache=empty_cache)
 
 
 token_logprobs = jax.jit(token_logprobs, static_argnums=1,
@@ -432,15 +434,22 @@ def test_the_attention_switch_gives_our_logits_gradients_and_prefill(config, ker
   for a, b in zip(jax.tree.leaves(jax.grad(loss)(params, library)),
                   jax.tree.leaves(jax.grad(loss)(params, config))):
     np.testing.assert_allclose(a, b, atol=2e-5, rtol=1e-4)
-  # Prefill (several queries: the switch) then one cached decode step (always ours).
+  # Prefill (several queries: the switch), over the whole buffer or, into an empty cache,
+  # among the new tokens only; then one cached decode step (always ours).
   logits = {}
+  prefill = lambda c, p, empty: _forward(c, p, tokens[:, :8], mask[:, :8],
+                                         cache=KVCache.init(c, 3, 12),
+                                         write_index=jnp.zeros(3, jnp.int32), empty_cache=empty)
   for c in (config, library):
-    out = _forward(c, params, tokens[:, :8], mask[:, :8], cache=KVCache.init(c, 3, 12),
-                   write_index=jnp.zeros(3, jnp.int32))
-    step = _forward(c, params, tokens[:, 8:], cache=out.cache, write_index=jnp.full((3,), 8))
-    logits[c.attention] = (out.logits, step.logits)
-  for a, b in zip(logits[kernel], logits["ours"]):
-    np.testing.assert_allclose(a[:, -1], b[:, -1], atol=2e-5, rtol=0)
+    for empty in (False, True):
+      out = prefill(c, params, empty)
+      step = _forward(c, params, tokens[:, 8:], cache=out.cache, write_index=jnp.full((3,), 8))
+      logits[c.attention, empty] = (out.logits, step.logits)
+  for key, value in logits.items():
+    for a, b in zip(value, logits["ours", False]):
+      np.testing.assert_allclose(a[:, -1], b[:, -1], atol=2e-5, rtol=0, err_msg=str(key))
+  prefill_trace = str(jax.make_jaxpr(lambda p: prefill(library, p, True).logits)(params))
+  assert ("pallas_call" in prefill_trace) == (kernel == "splash")
   assert np.abs(np.asarray(ours.logits[mask])).max() > 0.1  # the checked logits are not ~0
   trace = lambda c: str(jax.make_jaxpr(lambda p: Transformer(c).apply(
       {"params": p}, tokens, mask).logits)(params))

@@ -410,7 +410,10 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x, positions, query_slots, key_mask, cache):
-    """`cache`: None, or `(k, v, layer)`: every layer's keys and values and this layer's index.
+    """`cache`: None, or `(k, v, layer)`: every layer's keys and values and this layer's index,
+    or `(k, v, layer, mask)` for an empty cache filled from slot 0 (a prefill): the new tokens,
+    real where `mask: bool[B, T]`, then attend among themselves only, through the same kernels
+    as a forward without a cache.
 
     The new keys and values are scattered straight into the all-layer arrays (which the
     layer scan carries), so a decode step updates the cache in place instead of slicing
@@ -443,13 +446,17 @@ class Attention(nn.Module):
     else:
       # Scatter with mode="drop": slots past the end of the buffer are discarded rather than
       # clamped (dynamic_update_slice would silently shift the write).
-      cache_k, cache_v, layer = cache
+      cache_k, cache_v, layer = cache[:3]
       rows, heads = jnp.arange(k.shape[0])[:, None, None], jnp.arange(kvh)[None, :, None]
       slots = query_slots[:, None, :]
       cache_k = cache_k.at[layer, rows, heads, slots].set(k.astype(cache_k.dtype), mode="drop")
       cache_v = cache_v.at[layer, rows, heads, slots].set(v.astype(cache_v.dtype), mode="drop")
-      new_cache = stacked = (cache_k, cache_v, layer)
-    all_keys, all_values, layer = stacked  # read in place: a layer's keys are never copied
+      new_cache = stacked = (cache_k, cache_v, layer, *cache[3:])
+    local = cache is None or len(cache) == 4  # the new tokens attend among themselves only
+    if cache is not None and local:
+      stacked, key_mask = (k[None], v[None], 0), cache[3]
+      query_slots = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), key_mask.shape)
+    all_keys, all_values, layer = stacked[:3]  # read in place: a layer's keys are never copied
     size = all_keys.shape[3]
     b, t = q.shape[:2]
     q = q.reshape(b, t, kvh, h // kvh, hd)
@@ -511,7 +518,7 @@ class Attention(nn.Module):
     tpu = jax.default_backend() == "tpu"
     if t == 1:
       out = attend_one(q)
-    elif cache is None and (c.attention == "splash" or (c.attention == "dot_product" and tpu)):
+    elif local and (c.attention == "splash" or (c.attention == "dot_product" and tpu)):
       out = splash_attention(q, k, v, key_mask, interpret=not tpu)
     elif c.attention in ("dot_product", "splash"):
       out = attend_library(q)
@@ -595,7 +602,7 @@ class Block(nn.Module):
     else:
       mlp_out, routes = MLP(c, name="mlp")(normed), None
     if cache is not None:
-      cache = (cache[0], cache[1], cache[2] + 1)
+      cache = (cache[0], cache[1], cache[2] + 1, *cache[3:])
     return (x + mlp_out, cache), routes
 
 
@@ -622,7 +629,8 @@ class Transformer(nn.Module):
 
   def __call__(self, tokens: Array, mask: Array | None = None, *,
                cache: KVCache | None = None, write_index: Array | None = None,
-               routes: Array | None = None, compute_logits: bool = True) -> ModelOutput:
+               routes: Array | None = None, compute_logits: bool = True,
+               empty_cache: bool = False) -> ModelOutput:
     """Runs the model over `tokens: i32[B, T]`.
 
     Args:
@@ -633,6 +641,9 @@ class Transformer(nn.Module):
       write_index: `i32[B]` first slot to write per row (required with `cache`).
       routes: `i32[layers, B, T, k]` expert choices to replay (MoE only); -1 routes afresh.
       compute_logits: False returns hidden states only (for the chunked LM head).
+      empty_cache: the cache holds nothing and `write_index` is 0 (a prefill): the new tokens
+        attend among themselves only, with the kernels of a forward without a cache
+        (`ModelConfig.attention`), instead of over the whole buffer.
 
     Returns:
       A `ModelOutput`.
@@ -657,6 +668,8 @@ class Transformer(nn.Module):
       rows = jnp.arange(b)[:, None]
       new_mask = cache.mask.at[rows, query_slots].set(mask, mode="drop")
       key_mask, caches = new_mask, (cache.k, cache.v, jnp.int32(0))
+      if empty_cache:
+        caches = (*caches, mask)
 
     x = jnp.take(self.embedding, tokens, axis=0).astype(c.jnp_dtype)
     (x, new_caches), new_routes = self.layers(
