@@ -418,9 +418,9 @@ def test_model_in_small_tiles_equals_one_tile_in_logits_and_gradient(monkeypatch
 @pytest.mark.parametrize("config", [DENSE, QWEN3], ids=["gqa_2_groups", "mqa_head_dim_12"])
 def test_the_attention_switch_gives_our_logits_gradients_and_prefill(config, kernel):
   """`attention="dot_product"` (`jax.nn.dot_product_attention`, XLA on CPU) and `"splash"`
-  (the Pallas splash kernel, interpreted on CPU, for the forward without a cache) against
-  ours: left-padded rows, grouped KV heads; the training forward, its gradient, and a prefill
-  into the cache followed by our decode step."""
+  (the Pallas splash kernel, interpreted on CPU, for the forward without a cache and the
+  prefill into an empty one) against ours: left-padded rows, grouped KV heads; the training
+  forward, its gradient, and both prefills into the cache followed by our decode step."""
   params = _setup(config)
   library = config.replace(attention=kernel)
   tokens = jax.random.randint(jax.random.key(2), (3, 9), 0, config.vocab_size)

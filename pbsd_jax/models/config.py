@@ -92,9 +92,9 @@ class ModelConfig:
   # (`Attention`'s einsums, queries in blocks) or the accelerators' kernels, "dot_product":
   # on GPU `jax.nn.dot_product_attention` (cuDNN flash attention in bfloat16 / float16), on
   # TPU the Pallas splash-attention kernel for the forward without a cache (training,
-  # evidence, SFT) and the prefill into an empty one, elsewhere XLA's `dot_product_attention`. "splash" runs the splash kernel
-  # on any backend (interpreted off TPU: slow, for tests). Decode steps (one query per row)
-  # always use ours.
+  # evidence, SFT) and the prefill into an empty one, elsewhere XLA's
+  # `dot_product_attention`. "splash" runs the splash kernel on any backend (interpreted off
+  # TPU: slow, for tests). Decode steps (one query per row) always use ours.
   attention: str = "ours"
 
   def __post_init__(self):

@@ -349,7 +349,7 @@ def splash_attention(q: Array, keys: Array, values: Array, mask: Array,
   keys, values = (pad(jnp.repeat(x, groups, axis=1)) for x in (keys, values))
   segments = jnp.pad(mask.astype(jnp.int32), [(0, 0), (0, width - t)])
   kernel = _splash_kernel(kvh * groups, width, interpret)
-  out = jax.vmap(kernel)(query.astype(q.dtype), keys, values,
+  out = jax.vmap(kernel)(query, keys, values,
                          segment_ids=sk.SegmentIds(q=segments, kv=segments))
   out = jnp.moveaxis(out[:, :, :t], 1, 2).reshape(q.shape)
   return jnp.where(mask[:, :, None, None, None], out, 0).astype(q.dtype)
@@ -442,7 +442,6 @@ class Attention(nn.Module):
     k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, kv_heads, T, head_dim]
     if cache is None:
       new_cache = None
-      stacked = (k[None], v[None], 0)
     else:
       # Scatter with mode="drop": slots past the end of the buffer are discarded rather than
       # clamped (dynamic_update_slice would silently shift the write).
@@ -451,12 +450,15 @@ class Attention(nn.Module):
       slots = query_slots[:, None, :]
       cache_k = cache_k.at[layer, rows, heads, slots].set(k.astype(cache_k.dtype), mode="drop")
       cache_v = cache_v.at[layer, rows, heads, slots].set(v.astype(cache_v.dtype), mode="drop")
-      new_cache = stacked = (cache_k, cache_v, layer, *cache[3:])
+      new_cache = (cache_k, cache_v, layer, *cache[3:])
     local = cache is None or len(cache) == 4  # the new tokens attend among themselves only
-    if cache is not None and local:
-      stacked, key_mask = (k[None], v[None], 0), cache[3]
-      query_slots = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), key_mask.shape)
-    all_keys, all_values, layer = stacked[:3]  # read in place: a layer's keys are never copied
+    if not local:
+      all_keys, all_values, layer = new_cache[:3]  # read in place: never copied out
+    else:
+      all_keys, all_values, layer = k[None], v[None], 0
+      if cache is not None:
+        key_mask = cache[3]
+        query_slots = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), key_mask.shape)
     size = all_keys.shape[3]
     b, t = q.shape[:2]
     q = q.reshape(b, t, kvh, h // kvh, hd)
