@@ -19,8 +19,8 @@ NOTEBOOKS = ("quickstart", "credit", "hf_model", "mesh", "results")
 MARK = "CHECKS:"
 # The test SFT runs are far too short to earn a reward: the micro model at the test sizes.
 MICRO = {"model.name": "micro", "sft.steps": 20, "sft.batch_size": 8, "sft.max_examples": 64,
-         "rollout.prompts_per_step": 2, "grpo.group_size": 2, "eval.every": 0,
-         "checkpoint.async_save": False}
+         "sft.schedule": "constant", "rollout.prompts_per_step": 2, "grpo.group_size": 2,
+         "eval.every": 0, "checkpoint.async_save": False}
 
 
 def execute_notebook(name, params, checks=None):
@@ -153,8 +153,8 @@ def test_results_without_runs_makes_a_comparison_and_reports_its_failure_in_one_
 def test_load_config_names_an_unknown_field_and_a_bad_value():
   from pbsd_jax import notebook
   from pbsd_jax.run_config import ConfigError
-  config = notebook.load_config("demo", {"sft.steps": 7, "pbsd.delta": 0.5})
-  assert (config.sft.steps, config.pbsd.delta, config.algorithm) == (7, 0.5, "pbsd")
+  config = notebook.load_config("demo", {"sft.steps": 70, "pbsd.delta": 0.5})
+  assert (config.sft.steps, config.pbsd.delta, config.algorithm) == (70, 0.5, "pbsd")
   with pytest.raises(notebook.NotebookError, match=r"config\.sft\.stpes: .*config\.sft\.steps"):
     notebook.load_config("demo", {"sft.stpes": 7})
   with pytest.raises(ConfigError, match=r"config\.sft\.steps"):

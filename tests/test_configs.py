@@ -118,8 +118,8 @@ def test_sft_optimizer_errors_name_the_sft_section():
   with pytest.raises(train.ConfigError, match=r"config\.sft\.lr"):
     train.validate(load("demo", "--config.sft.lr=-1.0"), num_devices=1)
   with pytest.raises(train.ConfigError, match=r"config\.optim\.schedule.*total_steps=10"):
-    train.validate(load("demo", "--config.optim.schedule=cosine", "--config.sft.steps=10"),
-                   num_devices=1)
+    train.validate(load("demo", "--config.sft.schedule=", "--config.optim.schedule=cosine",
+                        "--config.sft.steps=10"), num_devices=1)
 
 
 @pytest.mark.parametrize("override, field", [("--config.env.timeout_s=0.0", "env.timeout_s"),

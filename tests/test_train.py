@@ -17,7 +17,7 @@ SMALL = ["--config.model.name=micro", "--config.sft.steps=4", "--config.sft.batc
          "--config.data.prompt_width=64", "--config.env.buffer_size=320",
          "--config.env.max_turns=7", "--config.env.max_action_tokens=48",
          "--config.checkpoint.save_interval_steps=1", "--config.checkpoint.async_save=False",
-         "--config.optim.lr=1e-3"]
+         "--config.optim.lr=1e-3", "--config.sft.schedule=constant"]
 # OPSD: its distillation term has a gradient even when the small model earns no reward (it
 # earns none after 4 SFT steps), so a replayed RL step really moves the parameters.
 OPSD = ("--config.algorithm=opsd",)
