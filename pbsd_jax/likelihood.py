@@ -206,7 +206,8 @@ def token_divergence(params: Any, teacher_params: Any, config: ModelConfig,
   The student is `params` on the student sequence (gradients flow); the teacher is
   `teacher_params` on the teacher sequence under `stop_gradient` (OPSD passes the frozen
   initial parameters, GEAR the current ones). The student's entropy and token log-probs come
-  from the same forward, so a caller that also needs them runs no second student pass.
+  from the same forward, so a caller that also needs them runs no second student pass; the
+  entropy carries no gradient (as in `logprobs_from_hidden`).
   Aligned like `token_logprobs`: column t holds the scores of the distributions that predict
   token t, 0 where either sequence has no real predecessor. The LM heads run `chunk_size`
   positions at a time, so the `[B, T, V]` logits of either model are never held whole.
@@ -236,6 +237,7 @@ def token_divergence(params: Any, teacher_params: Any, config: ModelConfig,
     div = generalized_jsd(logits_s, logits_t, beta)
     log_s = jax.nn.log_softmax(logits_s.astype(jnp.float32), axis=-1)
     logp = jnp.take_along_axis(log_s, target[..., None], axis=-1)[..., 0]
+    log_s = jax.lax.stop_gradient(log_s)  # the entropy is a metric or a segment rule's input
     return div, -jnp.sum(jnp.exp(log_s) * log_s, axis=-1), logp
 
   first = max(1, score_from)

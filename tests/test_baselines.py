@@ -118,6 +118,19 @@ def test_token_divergence_sends_no_gradient_to_the_teacher():
   assert any(np.any(np.asarray(g) != 0) for g in jax.tree.leaves(g_student))
 
 
+def test_token_divergence_entropy_carries_no_gradient():
+  student, teacher, tokens, s_mask, t_tokens, t_mask = two_models()
+
+  def loss(s, entropy_weight):
+    scores = token_divergence(s, teacher, TINY, tokens, s_mask, t_tokens, t_mask, chunk_size=4)
+    return jnp.sum(scores.divergence) + entropy_weight * jnp.sum(scores.entropy)
+
+  plain, weighted = (jax.grad(loss)(student, w) for w in (0.0, 10.0))
+  for a, b in zip(jax.tree.leaves(plain), jax.tree.leaves(weighted)):
+    np.testing.assert_array_equal(a, b)
+  assert float(loss(student, 1.0) - loss(student, 0.0)) > 0.5  # the entropy is not zero
+
+
 def test_opsd_loss_is_token_mean_divergence_plus_rl_coef_times_grpo():
   rng = np.random.default_rng(1)
   logp, old, adv, div = (jnp.asarray(rng.normal(size=(2, 4)), jnp.float32) for _ in range(4))
