@@ -76,8 +76,8 @@ def params_path(directory: str, step: int | None = None) -> tuple[str, int | Non
   return os.path.join(directory, str(step), STATE_ITEM), step
 
 
-def restore_params(directory: str, step: int | None = None,
-                   sharding: Any = None) -> tuple[Any, int | None]:
+def restore_params(directory: str, step: int | None = None, sharding: Any = None,
+                   dtype: Any = None) -> tuple[Any, int | None]:
   """The params of a checkpoint (either layout), and the step they come from.
 
   Args:
@@ -86,6 +86,7 @@ def restore_params(directory: str, step: int | None = None,
     sharding: where the parameters go: one `Sharding` for all, or a tree of them like the
       params (e.g. `sharding.param_shardings` of a mesh: each array is read straight into
       its shards); default: the first local device.
+    dtype: the dtype every parameter is read into (cast while reading); default: as stored.
 
   Returns:
     `(params, step)`; step is None for a `convert_hf.py` directory.
@@ -101,7 +102,7 @@ def restore_params(directory: str, step: int | None = None,
   if isinstance(sharding, jax.sharding.Sharding):
     sharding = jax.tree.map(lambda _: sharding, tree["params"])
   target = {"params": jax.tree.map(
-      lambda m, s: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=s), tree["params"],
+      lambda m, s: jax.ShapeDtypeStruct(m.shape, dtype or m.dtype, sharding=s), tree["params"],
       sharding)}
   restored = ocp.PyTreeCheckpointer().restore(path, args=ocp.args.PyTreeRestore(
       item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),

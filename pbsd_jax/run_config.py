@@ -120,8 +120,10 @@ def build_model_config(config, vocab_size: int | None = None) -> ModelConfig:
       _fail("model.init_dir", config.model.init_dir,
             f"holds no tokenizer, and the model's vocab_size={model.vocab_size} is not the "
             f"data vocabulary's {vocab_size}")
-    # How the layers are computed is the run's choice; what they compute is the checkpoint's.
-    compute = {f: config.model[f] for f in ("remat", "scan_unroll", "attention")}
+    # How the layers are computed, and in which precision the weights are held and used, is
+    # the run's choice; what they compute is the checkpoint's.
+    compute = {f: config.model[f] for f in ("remat", "scan_unroll", "attention", "param_dtype",
+                                            "dtype")}
     with naming_fields({f: f"model.{f}" for f in compute}, "model"):
       return model.replace(**compute)
   name = config.model.name

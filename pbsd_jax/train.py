@@ -66,11 +66,13 @@ def _resume(ckpt: checkpoint.Checkpointer, state: train_state.TrainState, log: M
 
 def initial_params(config, model: ModelConfig, mesh: Mesh) -> Any:
   """The run's starting parameters, created in their shardings on `mesh` (never whole on one
-  device): `config.model.init_dir`'s, or a seeded random init."""
+  device): `config.model.init_dir`'s, read in the run's `param_dtype`, or a seeded random
+  init."""
   shardings = sharding.param_shardings(model, mesh)
   if config.model.init_dir:
     from pbsd_jax import policy_checkpoint
-    params, _ = policy_checkpoint.restore_params(config.model.init_dir, sharding=shardings)
+    params, _ = policy_checkpoint.restore_params(config.model.init_dir, sharding=shardings,
+                                                 dtype=model.jnp_param_dtype)
     return params
   return init_params(model, jax.random.key(config.seed), shardings)
 

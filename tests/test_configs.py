@@ -191,6 +191,24 @@ def test_how_the_layers_are_computed_is_the_runs_choice_also_for_an_init_dir_mod
                              vocab_size=2048)
 
 
+def test_an_init_dir_model_is_read_in_the_runs_precision(tmp_path):
+  import jax.numpy as jnp
+  from pbsd_jax import policy_checkpoint, sharding, train as loop
+  from pbsd_jax.models import init_params
+  saved = train.build_model_config(load("demo"), vocab_size=2048)
+  params = init_params(saved, jax.random.key(0))
+  policy_checkpoint.save_params(str(tmp_path), saved, params)
+  config = load("demo", f"--config.model.init_dir={tmp_path}",
+                "--config.model.param_dtype=bfloat16", "--config.model.dtype=bfloat16")
+  model = train.build_model_config(config, vocab_size=2048)
+  assert (model.param_dtype, model.dtype) == ("bfloat16", "bfloat16")
+  mesh = sharding.make_mesh(devices=jax.devices()[:1])
+  got = loop.initial_params(config, model, mesh)
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(got)):
+    assert b.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(b), np.asarray(a.astype(jnp.bfloat16)))
+
+
 def test_tiny_size_takes_the_vocabulary_size():
   config = train.build_model_config(load("demo"), vocab_size=2048)
   assert isinstance(config, ModelConfig) and config.vocab_size == 2048
