@@ -3,7 +3,7 @@ knowledge graph, sized for 2 CPU cores.
 
 SFT trains on a fixed 512 of the 2,000 oracle trajectories (`sft.max_examples`) for 400 steps
 of lr 3e-3 after 20 warm-up steps, decayed by a cosine (`sft.schedule`). That is a point where
-the SFT curve is flat, below saturation (docs/results.md, "The SFT schedule"; greedy
+the SFT curve is flat, below saturation (docs/results_earlier.md, "The SFT schedule"; greedy
 validation accuracy, 200 questions, measured 2026-12-03, SFT steps 250 / 300 / 350 / 400):
 - seed 0: 51.0 / 59.0 / 61.0 / 62.5%; after 50 RL steps from it GRPO 69.0%, PBSD 66.0%.
 - seed 1: 69.5 / 72.0 / 74.5 / 75.5%; after 50 RL steps GRPO 72.0%, PBSD 70.0%.
