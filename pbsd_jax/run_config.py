@@ -38,6 +38,9 @@ ENV_FIELDS = ("buffer_size", "max_turns", "max_action_tokens", "max_observation_
 _STAND_IN_IDS = dict(search_open=1, search_close=2, answer_open=3, answer_close=4, info_open=5,
                      info_close=6, eos_id=7, notice=(8,))
 _STAND_IN_VOCAB = 1024
+# How the layers are computed, and in which precision the weights are held and used: the run's
+# choice, for a named size and for an `init_dir` checkpoint alike (which fixes what they compute).
+RUN_MODEL_FIELDS = ("param_dtype", "dtype", "remat", "scan_unroll", "attention")
 
 
 class ConfigError(ValueError):
@@ -120,12 +123,8 @@ def build_model_config(config, vocab_size: int | None = None) -> ModelConfig:
       _fail("model.init_dir", config.model.init_dir,
             f"holds no tokenizer, and the model's vocab_size={model.vocab_size} is not the "
             f"data vocabulary's {vocab_size}")
-    # How the layers are computed, and in which precision the weights are held and used, is
-    # the run's choice; what they compute is the checkpoint's.
-    compute = {f: config.model[f] for f in ("remat", "scan_unroll", "attention", "param_dtype",
-                                            "dtype")}
-    with naming_fields({f: f"model.{f}" for f in compute}, "model"):
-      return model.replace(**compute)
+    with naming_fields({f: f"model.{f}" for f in RUN_MODEL_FIELDS}, "model"):
+      return model.replace(**{f: config.model[f] for f in RUN_MODEL_FIELDS})
   name = config.model.name
   if name not in SIZES:
     _fail("model.name", name, f"unknown model size; known: {sorted(SIZES)}")
@@ -134,10 +133,8 @@ def build_model_config(config, vocab_size: int | None = None) -> ModelConfig:
     if vocab_size is None:
       _fail("model.name", name, "this size takes vocab_size from the vocabulary; none given")
     kwargs["vocab_size"] = vocab_size
-  fields = {f: f"model.{f}" for f in ("param_dtype", "dtype", "remat", "scan_unroll",
-                                       "attention")}
-  with naming_fields(fields, "model"):
-    return ModelConfig(**kwargs, **{f: config.model[f] for f in fields})
+  with naming_fields({f: f"model.{f}" for f in RUN_MODEL_FIELDS}, "model"):
+    return ModelConfig(**kwargs, **{f: config.model[f] for f in RUN_MODEL_FIELDS})
 
 
 def build_optimizer(config, stage: str):
