@@ -316,9 +316,10 @@ def _reference_attention(q, keys, values, query_slots, key_mask):
 
 
 def _tiled(q, keys, values, query_slots, key_mask, q_block, k_block):
+  """`tiled_attention` of keys/values `[B, kvh, S, d]`, put in the cache's layout."""
   from pbsd_jax.models.transformer import tiled_attention
-  return tiled_attention(q, keys[None], values[None], 0, query_slots, key_mask, q_block,
-                         k_block)
+  return tiled_attention(q, jnp.swapaxes(keys, 2, 3)[None], values[None], 0, query_slots,
+                         key_mask, q_block, k_block)
 
 
 @pytest.mark.parametrize("case", ["training", "append"])
