@@ -310,11 +310,19 @@ class Sampler:
     def running(carry: DecodeCarry) -> Array:
       return (carry.step < max_steps) & jnp.any(live(carry))
 
+    # Each layer's weights are sliced out of the stacked `params["layers"]` once, here, and
+    # stacked again in the loop, where XLA folds a layer's slice of that stack to the slice
+    # made here (or the stack of all slices to the stacked array). Sliced in the loop, every
+    # step copied every layer's weights out (XLA:CPU's matmuls take whole buffers): ~10% of a
+    # decode step on the benchmark model with its layers unrolled.
+    layers = [jax.tree.map(lambda x: x[i], params["layers"]) for i in range(self.model.num_layers)]
+
     def body(carry: DecodeCarry) -> DecodeCarry:
+      step_params = {**params, "layers": jax.tree.map(lambda *xs: jnp.stack(xs), *layers)}
       st, res, live_rows = carry.state, carry.result, live(carry)
       token, logp = sample_token(jax.random.fold_in(rng, carry.step), st.logits,
                                  self.temperature, self.top_k, self.top_p)
-      out = self._forward(params, token[:, None], live_rows[:, None], st.cache, st.cursor)
+      out = self._forward(step_params, token[:, None], live_rows[:, None], st.cache, st.cursor)
       rows = jnp.arange(b)
       slot = jnp.where(live_rows, st.cursor, st.buffer_size)  # out of range: dropped
       st = st.replace(
