@@ -238,3 +238,35 @@ def test_recorded_routes_are_the_routes_of_the_tokens_as_written():
 def test_recording_routes_needs_an_moe_model():
   with pytest.raises(ValueError, match="record_routes needs an MoE model"):
     Sampler(CONFIG, record_routes=True)
+
+
+@pytest.mark.parametrize("config", [CONFIG, MOE], ids=["dense", "moe"])
+def test_a_per_layer_cache_runs_the_layers_one_by_one_as_the_layer_scan_does(config):
+  # With the layer scan fully unrolled the cache holds one array per layer and the layers
+  # run one after another over their own arrays; prefill, decode, an uneven append and a
+  # second decode give the tokens, log-probs, logits, cache and routes of the stacked cache.
+  params = jax.tree.map(lambda x: x * 20.0, init_params(config, jax.random.key(1)))
+  states = []
+  for unroll in (1, config.num_layers):
+    model = config.replace(scan_unroll=unroll)
+    sampler = Sampler(model, temperature=1.0, record_routes=model.is_moe)
+    state = sampler.prefill(params, PROMPT, PMASK, 24)
+    budget = jnp.array([3, 5, 2])
+    state, _ = sampler.decode(params, state, jax.random.key(0), budget, max_steps=5)
+    state = sampler.append(params, state, jnp.array([[21, 22, 23]] * 3), jnp.array([3, 0, 2]))
+    state, _ = sampler.decode(params, state, jax.random.key(1), budget, max_steps=5)
+    states.append(state)
+  stacked, per_layer = states
+  assert not isinstance(stacked.cache.k, tuple)
+  assert isinstance(per_layer.cache.k, tuple) and len(per_layer.cache.k) == config.num_layers
+  assert int(per_layer.cache.mask.sum()) > 20
+  np.testing.assert_array_equal(per_layer.tokens, stacked.tokens)
+  np.testing.assert_array_equal(per_layer.cache.mask, stacked.cache.mask)
+  for got, want in [(per_layer.sample_logp, stacked.sample_logp),
+                    (per_layer.logits, stacked.logits),
+                    (jnp.stack(per_layer.cache.k), stacked.cache.k),
+                    (jnp.stack(per_layer.cache.v), stacked.cache.v)]:
+    assert float(jnp.max(jnp.abs(want))) > 0.1
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  if config.is_moe:
+    np.testing.assert_array_equal(per_layer.routes, stacked.routes)
