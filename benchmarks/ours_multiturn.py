@@ -108,7 +108,7 @@ def main():
     result.update(long_multiturn={"1": one, str(args.long_turns): many},
                   long_s_per_token_1turn=one["s_per_token"],
                   long_s_per_token_many=many["s_per_token"], long_turns=args.long_turns,
-                  long_buffer=args.long_buffer, long_tokens=many["tokens"])
+                  long_buffer=args.long_buffer, long_turns_tokens=many["tokens"])
   ours_common.emit(result)
 
 
