@@ -27,7 +27,9 @@ def padded(state, size: int):
   """`state` in a buffer of `size` slots: the same tokens and cache, empty slots after."""
   extra = size - state.buffer_size
   pad = lambda x, axis: jnp.pad(x, [(0, 0)] * axis + [(0, extra)] + [(0, 0)] * (x.ndim - axis - 1))
-  cache = state.cache.replace(k=pad(state.cache.k, 3), v=pad(state.cache.v, 3),
+  # Keys hold the slots last, values second to last (`KVCache`), per layer or stacked.
+  cache = state.cache.replace(k=jax.tree.map(lambda x: pad(x, x.ndim - 1), state.cache.k),
+                              v=jax.tree.map(lambda x: pad(x, x.ndim - 2), state.cache.v),
                               mask=pad(state.cache.mask, 1))
   return jax.tree.map(jnp.copy, state.replace(  # its own arrays: a decode donates them
       tokens=pad(state.tokens, 1), sampled=pad(state.sampled, 1),
