@@ -75,8 +75,9 @@ def test_decode_reads_only_the_filled_blocks_and_equals_the_full_forward(size, m
   out = forward(DENSE, params, tokens[:, :3], cache=KVCache.init(DENSE, 2, size),
                 write_index=jnp.zeros(2, jnp.int32))
   cache = out.cache
-  poison = lambda x: x.at[:, :, :, 12:].set(jnp.nan)  # slots 12.. : past every fill below
-  cache = cache.replace(k=poison(cache.k), v=poison(cache.v))
+  # Slots 12.. are past every fill below: the keys' last axis, the values' second to last.
+  cache = cache.replace(k=cache.k.at[..., 12:].set(jnp.nan),
+                        v=cache.v.at[..., 12:, :].set(jnp.nan))
   logits = [out.logits]
   for i in range(3, 10):
     out = forward(DENSE, params, tokens[:, i:i + 1], cache=cache,
