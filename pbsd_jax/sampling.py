@@ -122,14 +122,21 @@ def categorical(rng: Array, logits: Array, block: int = 128) -> Array:
   per row instead of the V of `jax.random.categorical`; drawing those dominated a CPU decode
   step (a third of it at V=8192). -inf logits are never drawn.
   """
+  return _categorical(rng, logits, block)[0]
+
+
+def _categorical(rng: Array, logits: Array, block: int = 128) -> tuple[Array, Array]:
+  """`categorical`'s draw and the logits' `f32[B]` log-normaliser, from the blocks' masses."""
   b, v = logits.shape
   num = -(-v // block)
   padded = jnp.pad(logits, [(0, 0), (0, num * block - v)], constant_values=-jnp.inf)
   blocks = padded.reshape(b, num, block)
   outer, inner = jax.random.split(rng)
-  chosen = jax.random.categorical(outer, jax.nn.logsumexp(blocks, axis=-1), axis=-1)
+  masses = jax.nn.logsumexp(blocks, axis=-1)
+  chosen = jax.random.categorical(outer, masses, axis=-1)
   within = jnp.take_along_axis(blocks, chosen[:, None, None], axis=1)[:, 0]
-  return (chosen * block + jax.random.categorical(inner, within, axis=-1)).astype(jnp.int32)
+  token = chosen * block + jax.random.categorical(inner, within, axis=-1)
+  return token.astype(jnp.int32), jax.nn.logsumexp(masses, axis=-1)
 
 
 def sample_token(rng: Array, logits: Array, temperature: float = 1.0, top_k: int = 0,
@@ -146,7 +153,6 @@ def sample_token(rng: Array, logits: Array, temperature: float = 1.0, top_k: int
     logp = jax.nn.log_softmax(logits, axis=-1)
     return token.astype(jnp.int32), jnp.take_along_axis(logp, token[:, None], -1)[:, 0]
   scaled = logits / temperature
-  logp = jax.nn.log_softmax(scaled, axis=-1)
   filtered = scaled
   if top_k > 0:
     kth = jax.lax.top_k(scaled, top_k)[0][:, -1:]
@@ -160,8 +166,10 @@ def sample_token(rng: Array, logits: Array, temperature: float = 1.0, top_k: int
     keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(
         keep_sorted)
     filtered = jnp.where(keep, filtered, -jnp.inf)
-  token = categorical(rng, filtered)
-  return token, jnp.take_along_axis(logp, token[:, None], -1)[:, 0]
+  token, log_z = _categorical(rng, filtered)
+  if filtered is not scaled:  # the draw normalised the filtered logits, not these
+    log_z = jax.nn.logsumexp(scaled, axis=-1)
+  return token, jnp.take_along_axis(scaled, token[:, None], -1)[:, 0] - log_z
 
 
 @dataclasses.dataclass(frozen=True)

@@ -63,6 +63,13 @@ def test_sampled_logp_is_the_temperature_scaled_log_softmax():
   tok, logp = sample_token(jax.random.key(3), logits, temperature=0.5)
   want = jax.nn.log_softmax(logits / 0.5)[jnp.arange(2), tok]
   np.testing.assert_allclose(logp, want, atol=1e-6)
+  # Filtered, the log-prob is still under the unfiltered distribution.
+  for kw in ({"top_k": 2}, {"top_p": 0.5}):
+    tok, logp = sample_token(jax.random.key(4), logits, temperature=0.5, **kw)
+    want = jax.nn.log_softmax(logits / 0.5)[jnp.arange(2), tok]
+    assert float(jnp.max(jnp.abs(want - jax.nn.log_softmax(jnp.where(
+        jnp.arange(3) == 2, -jnp.inf, logits / 0.5))[jnp.arange(2), tok]))) > 0.05
+    np.testing.assert_allclose(logp, want, atol=1e-6)
 
 
 @jax.jit
