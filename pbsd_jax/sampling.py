@@ -167,7 +167,7 @@ def sample_token(rng: Array, logits: Array, temperature: float = 1.0, top_k: int
         keep_sorted)
     filtered = jnp.where(keep, filtered, -jnp.inf)
   token, log_z = _categorical(rng, filtered)
-  if filtered is not scaled:  # the draw normalised the filtered logits, not these
+  if top_k > 0 or top_p < 1.0:  # the draw normalised the filtered logits, not these
     log_z = jax.nn.logsumexp(scaled, axis=-1)
   return token, jnp.take_along_axis(scaled, token[:, None], -1)[:, 0] - log_z
 
