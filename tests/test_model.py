@@ -10,6 +10,7 @@ import pytest
 
 from pbsd_jax.likelihood import token_logprobs
 from pbsd_jax.models import KVCache, ModelConfig, Transformer, init_params, param_axes
+from pbsd_jax.models import transformer
 
 DENSE = ModelConfig(vocab_size=61, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                     mlp_dim=48, qkv_bias=True)
@@ -275,6 +276,31 @@ def test_an_unrolled_layer_scan_gives_the_same_gradients():
                   jax.tree.leaves(jax.grad(loss(unrolled))(params))):
     assert np.abs(a).max() > 0
     np.testing.assert_allclose(a, b, atol=1e-6)
+
+
+@pytest.mark.parametrize("x_shape, kernel_shape, axes", [
+    ((3, 8, 16), (16, 48), 1),       # x narrower than the output: x is transposed
+    ((3, 8, 48), (48, 16), 1),       # the output narrower: its cotangent is transposed
+    ((3, 8, 4, 8), (4, 8, 24), 2),   # two contracted axes (the output projection)
+])
+def test_dense_gradients_equal_einsum_and_run_as_row_major_products(x_shape, kernel_shape,
+                                                                    axes):
+  rng = np.random.default_rng(0)
+  x, kernel = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in (x_shape, kernel_shape))
+  weight = jnp.asarray(rng.standard_normal((*x_shape[:2], *kernel_shape[axes:])), jnp.float32)
+  contracted = "ij"[:axes]
+  spec = f"bt{contracted},{contracted}o->bto"
+  loss = lambda f: lambda x, k: jnp.sum(jnp.sin(f(x, k)) * weight)
+  ours = jax.grad(loss(lambda x, k: transformer.dense(x, k, axes)), argnums=(0, 1))(x, kernel)
+  reference = jax.grad(loss(lambda x, k: jnp.einsum(spec, x, k)), argnums=(0, 1))(x, kernel)
+  for a, b in zip(ours, reference):
+    assert np.abs(b).max() > 0.1
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  compiled = jax.jit(jax.grad(loss(lambda x, k: transformer.dense(x, k, axes)), argnums=(0, 1))
+                     ).lower(x, kernel).compile().as_text()
+  if "__ynn_fusion" in compiled:  # XLA:CPU with YNNPACK: every product is one of its fusions
+    entry = compiled[compiled.index("\nENTRY"):]
+    assert " dot(" not in entry[:entry.index("\n}")]
 
 
 @pytest.mark.parametrize("changes, field", [

@@ -395,8 +395,40 @@ def dense(x: Array, kernel: Array, axes: int = 1) -> Array:
   """
   lead, fan_in = x.shape[:x.ndim - axes], kernel.shape[:axes]
   size = int(np.prod(fan_in))
-  y = x.reshape(-1, size) @ kernel.reshape(size, -1)
+  matmul = _cpu_matmul if jax.default_backend() == "cpu" else jnp.matmul
+  y = matmul(x.reshape(-1, size), kernel.reshape(size, -1))
   return y.reshape(*lead, *kernel.shape[axes:])
+
+
+@jax.custom_vjp
+def _cpu_matmul(x: Array, w: Array) -> Array:
+  """`x @ w` for `x: [N, K]`, `w: [K, M]`, whose weight gradient runs in YNNPACK on XLA:CPU.
+
+  The weight gradient `x.T @ dy` contracts both operands over their leading axis. XLA:CPU
+  folds a transpose into the dot's dimensions, and YNNPACK takes no dot whose left operand
+  contracts over its leading axis, so the product falls back to Eigen at about 60 % of
+  YNNPACK's speed (the update's weight gradients are a third of its FLOPs). The backward here
+  transposes the smaller operand into a row-major copy behind an optimisation barrier (which
+  keeps it from being folded back), so the product is a plain row-major matmul.
+  """
+  return x @ w
+
+
+def _cpu_matmul_fwd(x, w):
+  return x @ w, (x, w)
+
+
+def _cpu_matmul_bwd(residuals, dy):
+  x, w = residuals
+  kept = jax.lax.optimization_barrier
+  if x.shape[1] <= dy.shape[1]:
+    dw = kept(kept(x.T) @ dy)
+  else:
+    dw = kept(kept(dy.T) @ x).T
+  return (dy @ w.T).astype(x.dtype), dw.astype(w.dtype)
+
+
+_cpu_matmul.defvjp(_cpu_matmul_fwd, _cpu_matmul_bwd)
 
 
 def _param(module: nn.Module, name: str, shape, axes, init=_INIT):
