@@ -172,6 +172,12 @@ def sample_token(rng: Array, logits: Array, temperature: float = 1.0, top_k: int
   return token, jnp.take_along_axis(scaled, token[:, None], -1)[:, 0] - log_z
 
 
+def append_chunk(n: int) -> int:
+  """Columns per prefill of an `n`-column `Sampler.append`: `n` up to 16, else a quarter of
+  `n` rounded up (`n = 50`: 13)."""
+  return n if n <= 16 else -(-n // 4)
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampler:
   """The sampling loop's static settings; hashable, so its methods jit with `self` static.
@@ -251,15 +257,35 @@ class Sampler:
   @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("as_actions",))
   def append(self, params, state: DecodeState, tokens: Array, lengths: Array, *,
              as_actions: bool = False) -> DecodeState:
-    """Writes `tokens[b, :lengths[b]]` (`i32[B, n]`) at each row's cursor in one prefill.
+    """Writes `tokens[b, :lengths[b]]` (`i32[B, n]`) at each row's cursor, in prefills.
 
     Rows with length 0 are untouched. Tokens that would pass the end of the buffer are
     dropped, so callers truncate observations to the room they have. `as_actions=True` marks
     the tokens as the policy's (forced actions, e.g. replaying an oracle); their
     `sample_logp` stays 0.
+
+    The prefill runs in chunks of `append_chunk(n)` columns, as many as the longest row fills
+    (a `fori_loop` with a traced trip count, which keeps the cache in place), so an append of
+    short observations (a notice) costs what they fill, not the `n` columns a batch of
+    documents may need.
     """
     b, n = tokens.shape
-    lengths = jnp.minimum(lengths.astype(jnp.int32), state.buffer_size - state.cursor)
+    lengths = jnp.minimum(lengths.astype(jnp.int32),
+                          jnp.minimum(n, state.buffer_size - state.cursor))
+    chunk = append_chunk(n)
+    tokens = jnp.pad(tokens, [(0, 0), (0, -n % chunk)])
+
+    def one_chunk(i, state):
+      start = i * chunk
+      return self._append(params, state, jax.lax.dynamic_slice_in_dim(tokens, start, chunk, 1),
+                          jnp.clip(lengths - start, 0, chunk), as_actions)
+
+    return jax.lax.fori_loop(0, (jnp.max(lengths) + chunk - 1) // chunk, one_chunk, state)
+
+  def _append(self, params, state: DecodeState, tokens: Array, lengths: Array,
+              as_actions: bool) -> DecodeState:
+    """One prefill of `append`: `tokens[b, :lengths[b]]` at each row's cursor."""
+    b, n = tokens.shape
     mask = jnp.arange(n)[None, :] < lengths[:, None]
     out = self._forward(params, tokens, mask, state.cache, state.cursor, compute_logits=False)
     rows, cols = jnp.arange(b)[:, None], state.cursor[:, None] + jnp.arange(n)[None, :]

@@ -192,6 +192,30 @@ def test_append_then_decode_equals_a_plain_forward_over_the_whole_row():
   assert not bool(state.sampled[0, 5:8].any())  # appended tokens are not the policy's
 
 
+def test_an_append_in_chunks_equals_a_plain_forward_over_the_whole_row():
+  # 40 columns go in chunks of 10: row 0 fills 4 chunks, row 1 part of one, row 2 none.
+  assert sampling.append_chunk(40) == 10 and sampling.append_chunk(16) == 16
+  s = Sampler(CONFIG, temperature=0.0)
+  state = s.prefill(PARAMS, PROMPT, PMASK, 64)
+  obs = jnp.asarray(np.random.default_rng(0).integers(1, CONFIG.vocab_size, (3, 40)), jnp.int32)
+  lengths = np.array([37, 4, 0])
+  state = s.append(PARAMS, state, obs, jnp.asarray(lengths))
+  np.testing.assert_array_equal(state.cursor, 5 + lengths)
+  last_logits = lambda row: Transformer(CONFIG).apply({"params": PARAMS},
+                                                      jnp.asarray(row)[None]).logits[0, -1]
+  rows = []
+  for b in range(3):
+    row = np.concatenate([np.asarray(PROMPT[b])[np.asarray(PMASK[b])], obs[b, :lengths[b]]])
+    np.testing.assert_array_equal(np.asarray(state.tokens[b])[np.asarray(state.mask[b])], row)
+    np.testing.assert_allclose(state.logits[b], last_logits(row), rtol=1e-4, atol=1e-4)
+    rows.append(row)
+  state, _ = s.decode(PARAMS, state, jax.random.key(0), jnp.full((3,), 2), max_steps=2)
+  for b, row in enumerate(rows):  # greedy continuations, each token from a full forward
+    for _ in range(2):
+      row = np.append(row, int(jnp.argmax(last_logits(row))))
+    np.testing.assert_array_equal(np.asarray(state.tokens[b])[np.asarray(state.mask[b])], row)
+
+
 def test_bad_sampler_settings_raise():
   with pytest.raises(ValueError, match="top_p"):
     Sampler(CONFIG, top_p=0.0)
