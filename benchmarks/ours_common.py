@@ -85,6 +85,21 @@ def best_of(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
   return best, out
 
 
+def best_of_each(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+  """Best wall seconds of each of `fns`, calling them in turn: one warm-up round, then
+  `repeats` rounds of one call each, so a drift of the machine's speed during the run weighs
+  on all of them alike (what a difference of two of them needs)."""
+  for fn in fns.values():
+    jax.block_until_ready(fn())
+  best = dict.fromkeys(fns, float("inf"))
+  for _ in range(repeats):
+    for name, fn in fns.items():
+      start = time.perf_counter()
+      jax.block_until_ready(fn())
+      best[name] = min(best[name], time.perf_counter() - start)
+  return best
+
+
 def matmul_peak(dtype: str = "float32", sizes=(1024, 2048, 4096), repeats: int = 3) -> float:
   """Best FLOP/s of a square `jnp.dot` over `sizes` (`2 n^3` FLOPs each), measured now."""
   best = 0.0
