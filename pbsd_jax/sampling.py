@@ -125,12 +125,28 @@ def categorical(rng: Array, logits: Array, block: int = 128) -> Array:
   return _categorical(rng, logits, block)[0]
 
 
-def _categorical(rng: Array, logits: Array, block: int = 128) -> tuple[Array, Array]:
-  """`categorical`'s draw and the logits' `f32[B]` log-normaliser, from the blocks' masses."""
+def _blocks(logits: Array, block: int) -> Array:
+  """`f32[B, V]` logits as `[B, ceil(V / block), block]`, the last block padded with -inf."""
   b, v = logits.shape
   num = -(-v // block)
   padded = jnp.pad(logits, [(0, 0), (0, num * block - v)], constant_values=-jnp.inf)
-  blocks = padded.reshape(b, num, block)
+  return padded.reshape(b, num, block)
+
+
+def greedy(logits: Array, block: int = 128) -> Array:
+  """`jnp.argmax(logits, -1)` of `f32[B, V]` (the first of equal maxima), in two stages: the
+  first block holding the maximum, then the first maximum within it. XLA:CPU runs an argmax as
+  a scalar loop over (value, index) pairs: over V = 8192 it took 1.1 ms of a 64-row decode
+  step, the block maxima and an argmax over 64 + 128 candidates 0.12 ms."""
+  blocks = _blocks(logits, block)
+  chosen = jnp.argmax(jnp.max(blocks, axis=-1), axis=-1)
+  within = jnp.take_along_axis(blocks, chosen[:, None, None], axis=1)[:, 0]
+  return (chosen * block + jnp.argmax(within, axis=-1)).astype(jnp.int32)
+
+
+def _categorical(rng: Array, logits: Array, block: int = 128) -> tuple[Array, Array]:
+  """`categorical`'s draw and the logits' `f32[B]` log-normaliser, from the blocks' masses."""
+  blocks = _blocks(logits, block)
   outer, inner = jax.random.split(rng)
   masses = jax.nn.logsumexp(blocks, axis=-1)
   chosen = jax.random.categorical(outer, masses, axis=-1)
@@ -149,9 +165,9 @@ def sample_token(rng: Array, logits: Array, temperature: float = 1.0, top_k: int
   """
   logits = logits.astype(jnp.float32)
   if temperature == 0.0:
-    token = jnp.argmax(logits, axis=-1)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    return token.astype(jnp.int32), jnp.take_along_axis(logp, token[:, None], -1)[:, 0]
+    token = greedy(logits)
+    return token, (jnp.take_along_axis(logits, token[:, None], -1)[:, 0]
+                   - jax.nn.logsumexp(logits, axis=-1))
   scaled = logits / temperature
   filtered = scaled
   if top_k > 0:

@@ -23,6 +23,21 @@ def _samples(n, logits, **kw):
   return np.asarray(tok).reshape(-1)
 
 
+def test_greedy_is_the_first_argmax_over_blocks_ties_and_padding():
+  rng = np.random.default_rng(0)
+  logits = rng.standard_normal((7, 300)).astype(np.float32)  # blocks of 8: the last is short
+  logits[0, [17, 250]] = 9.0      # tied maxima in different blocks: the first wins
+  logits[1, [40, 43]] = 9.0       # tied within one block
+  logits[2, 299] = 9.0            # in the padded last block
+  logits[3, :] = -np.inf          # nothing allowed: index 0, as jnp.argmax
+  logits[4, 5:] = -np.inf
+  logits[5, [3, 200]] = np.nan    # NaN counts as the maximum in jnp.argmax
+  got = sampling.greedy(jnp.asarray(logits), block=8)
+  want = jnp.argmax(jnp.asarray(logits), axis=-1)
+  np.testing.assert_array_equal(got, want)
+  assert list(np.asarray(got)[:3]) == [17, 40, 299]
+
+
 def test_top_k_never_emits_tokens_outside_the_k_most_likely():
   logits = jnp.array([[0.0, 3.0, 1.0, 2.9, -1.0, 2.8, 0.5]])
   seen = set(_samples(4000, logits, top_k=3))
