@@ -10,6 +10,8 @@ setuptools.setup(
         "Self-Distillation (PBSD) turn-level credit."
     ),
     packages=setuptools.find_packages(include=["pbsd_jax", "pbsd_jax.*"]),
+    # C++ sources of the CPU kernels, compiled on first use (pbsd_jax.models.cpu_kernels).
+    package_data={"pbsd_jax.models": ["kernels/*.cc"]},
     python_requires=">=3.10",
     install_requires=[
         "jax>=0.6",

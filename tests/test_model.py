@@ -10,7 +10,7 @@ import pytest
 
 from pbsd_jax.likelihood import token_logprobs
 from pbsd_jax.models import KVCache, ModelConfig, Transformer, init_params, param_axes
-from pbsd_jax.models import transformer
+from pbsd_jax.models import cpu_kernels, transformer
 
 DENSE = ModelConfig(vocab_size=61, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                     mlp_dim=48, qkv_bias=True)
@@ -61,13 +61,17 @@ def test_cached_decode_reproduces_full_forward_logits(config):
   np.testing.assert_allclose(jnp.concatenate(logits, 1), full, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["xla", "cpu-kernel"])
 @pytest.mark.parametrize("size", [16, 22])  # whole blocks, and a last block that overlaps
-def test_decode_reads_only_the_filled_blocks_and_equals_the_full_forward(size, monkeypatch):
-  """Decode attention in blocks of 4 slots with an online softmax, rows filled to different
-  lengths: the logits equal the full forward's, and the blocks past the longest filled
-  prefix are never read (they hold NaN here, which any read would spread)."""
-  from pbsd_jax.models import transformer
+def test_decode_reads_only_the_filled_blocks_and_equals_the_full_forward(size, kernel,
+                                                                         monkeypatch):
+  """Decode attention in blocks of 4 slots with an online softmax (XLA's), or the CPU
+  kernel, rows filled to different lengths: the logits equal the full forward's, and the
+  blocks past the longest filled prefix are never read (they hold NaN here, which any read
+  would spread)."""
   monkeypatch.setattr(transformer, "DECODE_BLOCK", 4)
+  if not kernel:
+    monkeypatch.setattr(cpu_kernels, "decode_attention", lambda *args: None)
   # A function of its own, so that no cached trace of `_forward` (with blocks of 256) is used.
   forward = jax.jit(lambda *args, **kw: _forward.__wrapped__(*args, **kw), static_argnums=0)
   params = _setup(DENSE)
@@ -86,6 +90,83 @@ def test_decode_reads_only_the_filled_blocks_and_equals_the_full_forward(size, m
     logits.append(out.logits)
     cache = out.cache
   np.testing.assert_allclose(jnp.concatenate(logits, 1), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_the_cpu_decode_attention_kernel_equals_the_xla_decode_attention(dtype):
+  """`cpu_kernels.decode_attention` against `transformer.decode_attention`: a stacked cache
+  read at layer 1 of 2, 700 slots (XLA's blocks of 234 overlap at the end; the kernel's 256
+  do not divide it), rows ending mid-block, at a block's first slot, at slot 0 and at the
+  last, holes in the mask, a row whose scores spread over hundreds and one whose scores all
+  lie far below exp's underflow (the running maximum must start below them)."""
+  assert cpu_kernels.load() is not None, "the kernel did not build on this machine"
+  layers, b, kvh, g, hd, size = 2, 6, 2, 3, 32, 700
+  rng = np.random.default_rng(0)
+  keys = rng.standard_normal((layers, b, kvh, hd, size))
+  keys[:, 4] = keys[:, 4] * 0.2 - 5.0  # row 4's scores all lie below -700: the softmax holds
+  keys = jnp.asarray(keys, dtype)
+  values = jnp.asarray(rng.standard_normal((layers, b, kvh, size, hd)), dtype)
+  last = jnp.array([699, 300, 0, 256, 455, 611], jnp.int32)
+  mask = rng.random((b, size)) < 0.8
+  mask[np.arange(b), last] = True  # a row's own slot is real
+  query = rng.standard_normal((b, kvh, g, hd)).astype(np.float32) / np.sqrt(hd)
+  query[4] = 5.0
+  query[5] *= 60.0
+  args = (jnp.asarray(query), keys, values, 1, jnp.asarray(mask), last)
+  got = jax.jit(cpu_kernels.decode_attention)(*args)
+  want = jax.jit(transformer.decode_attention)(*args)
+  # Brute force for one row: a softmax over its allowed slots.
+  allowed = mask[1, :301]
+  k1, v1 = np.asarray(keys[1, 1], np.float64), np.asarray(values[1, 1], np.float64)
+  scores = np.einsum("hgd,hds->hgs", query[1], k1[..., :301])[..., allowed]
+  probs = np.exp(scores - scores.max(-1, keepdims=True))
+  brute = np.einsum("hgs,hsd->hgd", probs / probs.sum(-1, keepdims=True),
+                    v1[:, :301][:, allowed])
+  np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+  np.testing.assert_allclose(got[1], brute, rtol=2e-5, atol=2e-6)
+  assert float(jnp.max(jnp.abs(got[5] - got[4]))) > 0.1  # the rows differ: no trivial equality
+
+
+def test_a_cpu_decode_step_runs_the_kernel_and_equals_xla_decoding(monkeypatch):
+  """The model's decode step on the CPU calls the kernel (its target is in the program) and
+  gives the logits of the XLA decode attention; prefill does not call it."""
+  params = _setup(DENSE)
+  tokens = jax.random.randint(jax.random.key(1), (2, 9), 0, DENSE.vocab_size)
+  prefill = _forward(DENSE, params, tokens[:, :8], cache=KVCache.init(DENSE, 2, 12),
+                     write_index=jnp.zeros(2, jnp.int32))
+
+  def step(params, token, cache):
+    return Transformer(DENSE).apply({"params": params}, token, cache=cache,
+                                    write_index=jnp.full((2,), 8)).logits
+
+  args = (params, tokens[:, 8:], prefill.cache)
+  assert "PbsdDecodeAttentionF32" in jax.jit(step).lower(*args).as_text()
+  with_kernel = jax.jit(step)(*args)
+  monkeypatch.setattr(cpu_kernels, "decode_attention", lambda *a: None)
+  xla_step = jax.jit(lambda *a: step(*a))  # a function of its own: traced again
+  assert "PbsdDecodeAttentionF32" not in xla_step.lower(*args).as_text()
+  np.testing.assert_allclose(with_kernel, xla_step(*args), rtol=1e-5, atol=1e-5)
+  full = _forward(DENSE, params, tokens).logits[:, 8:]
+  np.testing.assert_allclose(with_kernel, full, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("index", [[0, 1, 3333], [3334, 6667, 10000], [9999, 0, 6666]])
+def test_real_before_counts_the_real_slots_before_each_index(index):
+  """Blocks of 3334 slots tile 10,000 with the last overlapping the one before by 2."""
+  mask = np.random.default_rng(0).random((3, 10000)) < 0.7
+  index = np.array(index, np.int32)
+  want = [int(mask[b, :i].sum()) for b, i in enumerate(index)]
+  got = jax.jit(transformer.real_before, static_argnums=2)(mask, index, 4096)
+  np.testing.assert_array_equal(got, want)
+
+
+def test_the_cpu_kernels_name_a_missing_compiler_and_are_built_once(tmp_path):
+  with pytest.raises(RuntimeError, match="no-such-c++"):
+    cpu_kernels.build(compiler=str(tmp_path / "no-such-c++"), cache_dir=tmp_path)
+  first = cpu_kernels.build(cache_dir=tmp_path)
+  stamp = first.stat().st_mtime_ns
+  assert cpu_kernels.build(cache_dir=tmp_path) == first and first.stat().st_mtime_ns == stamp
+  assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no partial build left
 
 
 def test_rows_advance_independently_in_the_cache():

@@ -94,7 +94,8 @@ class ModelConfig:
   # TPU the Pallas splash-attention kernel for the forward without a cache (training,
   # evidence, SFT) and the prefill into an empty one, elsewhere XLA's
   # `dot_product_attention`. "splash" runs the splash kernel on any backend (interpreted off
-  # TPU: slow, for tests). Decode steps (one query per row) always use ours.
+  # TPU: slow, for tests). Decode steps (one query per row) always use ours (on the CPU the
+  # kernel of `cpu_kernels.decode_attention`).
   attention: str = "ours"
 
   def __post_init__(self):

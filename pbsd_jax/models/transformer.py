@@ -27,6 +27,7 @@ import math
 import numpy as np
 from flax import struct
 
+from pbsd_jax.models import cpu_kernels
 from pbsd_jax.models.config import ModelConfig, RopeScaling
 
 Array = jax.Array
@@ -87,6 +88,25 @@ class ModelOutput:
   logits: Array | None = None
   cache: KVCache | None = None
   routes: Array | None = None
+
+
+def real_before(mask: Array, index: Array, block: int = 4096) -> Array:
+  """`i32[B]`: the real slots (`mask: bool[B, S]`) before slot `index[b]` of each row.
+
+  Counted in the blocks of `tiling(S, block)` up to the largest index (a traced trip count),
+  so a decode step in a long buffer counts what is filled, not the whole mask."""
+  size = mask.shape[1]
+  _, width = tiling(size, block)
+
+  def add(i, total):
+    start = jnp.minimum(i * width, size - width)  # the last block may overlap the one before
+    slot = start + jnp.arange(width)
+    new = (jax.lax.dynamic_slice_in_dim(mask, start, width, 1) & (slot >= i * width)[None]
+           & (slot[None] < index[:, None]))
+    return total + jnp.sum(new, -1, dtype=jnp.int32)
+
+  return jax.lax.fori_loop(0, (jnp.max(index) + width - 1) // width, add,
+                           jnp.zeros(mask.shape[:1], jnp.int32))
 
 
 def positions_from_mask(mask: Array, offset: Array | int = 0) -> Array:
@@ -184,6 +204,51 @@ def needed_tiles(query_slots: Array, key_mask: Array, size: int, q_block: int, k
   owned = blocks >= jnp.arange(nk)[:, None] * k_width  # [nk, width]: not in the block before
   first = jnp.min(jnp.where(key_mask[:, blocks] & owned, blocks, size), axis=-1)  # [B, nk]
   return jnp.any(first[:, None, :] <= last[:, :, None], axis=0)
+
+
+def decode_attention(query: Array, keys: Array, values: Array, layer: Array | int,
+                     key_mask: Array, last: Array) -> Array:
+  """`f32[B, kv_heads, groups, head_dim]`: one query per row (a decode step; `query` scaled by
+  `1/sqrt(head_dim)`) over layer `layer` of `keys, values` in the layout of `KVCache`, at the
+  real slots (`key_mask: bool[B, S]`) up to each row's own (`last: i32[B]`).
+
+  The keys are read in the blocks of `tiling(S, DECODE_BLOCK)`, up to the highest slot any row
+  attends to (a traced trip count), with an online softmax across blocks (flash-decoding), so
+  a step's cost follows the filled prefix, not the buffer. Within a block, attention is
+  multiply-and-reduce: as a batched dot XLA:CPU runs B x kv_heads separate matrix-vector
+  products (a 64-row step on the benchmark model: 14 -> 8.4 ms at 192 slots). The scores
+  reduce over `head_dim`, a major axis of the keys (`KVCache`), so the sums run across whole
+  rows of slots (that step: 5.5 -> 4.5 ms). On the CPU `Attention` runs
+  `cpu_kernels.decode_attention` instead, the same computation reading the cache in place.
+  """
+  f32 = jnp.float32
+  size = values.shape[3]
+  _, block = tiling(size, DECODE_BLOCK)
+  query = query[..., None]  # [B, kvh, g, hd, 1]
+
+  def step(i, carry):
+    best, total, acc = carry
+    start = jnp.minimum(i * block, size - block)  # the last block may overlap the one before
+    k_blk = layer_window(keys, layer, start, block, f32, axis=4)
+    v_blk = layer_window(values, layer, start, block, f32)
+    slot = start + jnp.arange(block)
+    ok = (jax.lax.dynamic_slice_in_dim(key_mask, start, block, 1)
+          & (slot >= i * block)[None, :] & (slot[None, :] <= last[:, None]))
+    scores = jnp.sum(query * k_blk[:, :, None], -2)  # [B, kvh, g, block]
+    scores = jnp.where(ok[:, None, None], scores, -jnp.inf)
+    new_best = jnp.maximum(best, jnp.max(scores, -1))
+    probs = jnp.exp(scores - new_best[..., None])
+    scale = jnp.exp(best - new_best)
+    return (new_best, total * scale + jnp.sum(probs, -1),
+            acc * scale[..., None] + jnp.sum(probs[..., None] * v_blk[:, :, None], -2))
+
+  shape = query.shape[:3]
+  # A finite floor for the running maximum: a block with no allowed slot leaves it, and
+  # exp(-inf - floor) is 0 rather than NaN.
+  carry = (jnp.full(shape, jnp.finfo(f32).min, f32), jnp.zeros(shape, f32),
+           jnp.zeros((*shape, query.shape[3]), f32))
+  _, total, acc = jax.lax.fori_loop(0, (jnp.max(last) + block) // block, step, carry)
+  return acc / total[..., None]
 
 
 def tiled_attention(q: Array, keys: Array, values: Array, layer: Array | int,
@@ -516,46 +581,6 @@ class Attention(nn.Module):
       return (layer_window(all_keys, layer, start, width, dt, axis=4),
               layer_window(all_values, layer, start, width, dt))
 
-    def attend_one(q):
-      """One query per row (a decode step), over the filled slots only.
-
-      The keys are read in the blocks of `tiling(size, DECODE_BLOCK)`, up to the highest slot
-      any row attends to (a traced trip count), with an online softmax across blocks
-      (flash-decoding), so a step's cost follows the filled prefix, not the buffer. Within a
-      block, attention is multiply-and-reduce: as a batched dot XLA:CPU runs B x kv_heads
-      separate matrix-vector products (a 64-row step on the benchmark model: 14 -> 8.4 ms at
-      192 slots). The scores reduce over `head_dim`, a major axis of the keys (`KVCache`), so
-      the sums run across whole rows of slots (that step: 5.5 -> 4.5 ms).
-      """
-      f32 = jnp.float32
-      _, block = tiling(size, DECODE_BLOCK)
-      query = q[:, 0, :, :, :, None].astype(f32) / jnp.sqrt(f32(hd))  # [B, kvh, g, hd, 1]
-      last = query_slots[:, 0]  # each row attends to the slots up to its own
-
-      def step(i, carry):
-        best, total, acc = carry
-        start = jnp.minimum(i * block, size - block)  # the last block may overlap the one before
-        k_blk, v_blk = (x.astype(f32) for x in read(start, block))
-        slot = start + jnp.arange(block)
-        ok = (jax.lax.dynamic_slice_in_dim(key_mask, start, block, 1)
-              & (slot >= i * block)[None, :] & (slot[None, :] <= last[:, None]))
-        scores = jnp.sum(query * k_blk[:, :, None], -2)  # [B, kvh, g, block]
-        scores = jnp.where(ok[:, None, None], scores, -jnp.inf)
-        new_best = jnp.maximum(best, jnp.max(scores, -1))
-        probs = jnp.exp(scores - new_best[..., None])
-        scale = jnp.exp(best - new_best)
-        return (new_best, total * scale + jnp.sum(probs, -1),
-                acc * scale[..., None] + jnp.sum(probs[..., None] * v_blk[:, :, None], -2))
-
-      shape = (b, kvh, h // kvh)
-      filled = jnp.max(last) + 1
-      # A finite floor for the running maximum: a block with no allowed slot leaves it, and
-      # exp(-inf - floor) is 0 rather than NaN.
-      carry = (jnp.full(shape, jnp.finfo(f32).min, f32), jnp.zeros(shape, f32),
-               jnp.zeros((*shape, hd), f32))
-      _, total, acc = jax.lax.fori_loop(0, (filled + block - 1) // block, step, carry)
-      return (acc / total[..., None])[:, None].astype(dt)
-
     def attend_library(q):
       """`jax.nn.dot_product_attention`: cuDNN's fused kernel on GPU in 16-bit floats."""
       gpu = jax.default_backend() == "gpu" and dt in (jnp.bfloat16, jnp.float16)
@@ -569,7 +594,14 @@ class Attention(nn.Module):
 
     tpu = jax.default_backend() == "tpu"
     if t == 1:
-      out = attend_one(q)
+      query = q[:, 0].astype(jnp.float32) / jnp.sqrt(jnp.float32(hd))
+      last = query_slots[:, 0]  # each row attends to the slots up to its own
+      out = None
+      if jax.default_backend() == "cpu":  # the kernel, where it is built
+        out = cpu_kernels.decode_attention(query, all_keys, all_values, layer, key_mask, last)
+      if out is None:
+        out = decode_attention(query, all_keys, all_values, layer, key_mask, last)
+      out = out[:, None].astype(dt)
     elif local and (c.attention == "splash" or (c.attention == "dot_product" and tpu)):
       out = splash_attention(q, k, v, key_mask, interpret=not tpu)
     elif c.attention in ("dot_product", "splash"):
@@ -713,9 +745,7 @@ class Transformer(nn.Module):
       if write_index is None:
         raise ValueError("write_index is required when a cache is given")
       write_index = write_index.astype(jnp.int32)
-      slot_ids = jnp.arange(cache.size, dtype=jnp.int32)
-      before = jnp.sum(cache.mask & (slot_ids[None] < write_index[:, None]), axis=-1)
-      positions = positions_from_mask(mask, before)
+      positions = positions_from_mask(mask, real_before(cache.mask, write_index))
       query_slots = write_index[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
       rows = jnp.arange(b)[:, None]
       new_mask = cache.mask.at[rows, query_slots].set(mask, mode="drop")
