@@ -160,6 +160,14 @@ def test_real_before_counts_the_real_slots_before_each_index(index):
   np.testing.assert_array_equal(got, want)
 
 
+def test_the_cpu_decode_attention_kernel_refuses_operands_that_disagree():
+  keys, values = jnp.zeros((1, 2, 1, 4, 8)), jnp.zeros((1, 2, 1, 8, 4))
+  with pytest.raises(Exception, match="disagree"):
+    jax.block_until_ready(cpu_kernels.decode_attention(
+        jnp.zeros((2, 1, 1, 4)), keys, values, 0, jnp.ones((2, 8), bool),
+        jnp.zeros(3, jnp.int32)))  # three rows' slots for two rows
+
+
 def test_the_cpu_kernels_name_a_missing_compiler_and_are_built_once(tmp_path):
   with pytest.raises(RuntimeError, match="no-such-c++"):
     cpu_kernels.build(compiler=str(tmp_path / "no-such-c++"), cache_dir=tmp_path)

@@ -139,6 +139,13 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   }
   const int64_t rows = qd[0], heads = qd[1], groups = qd[2], dim = qd[3];
   const int64_t layers = kd[0], size = kd[4];
+  const auto vd = v.dimensions();
+  const auto md = mask.dimensions();
+  if (kd[1] != rows || kd[2] != heads || kd[3] != dim || vd[0] != layers || vd[1] != rows ||
+      vd[2] != heads || vd[3] != size || vd[4] != dim || md.size() != 2 || md[0] != rows ||
+      md[1] != size || last.element_count() != rows) {
+    return ffi::Error::InvalidArgument("decode attention: q, k, v, mask and last disagree");
+  }
   if (groups > kMaxGroups || dim > kMaxDim) {
     return ffi::Error::InvalidArgument("decode attention: at most 16 groups and 256 head dims");
   }
