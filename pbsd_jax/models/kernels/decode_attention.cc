@@ -134,13 +134,13 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
                            ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions();
   const auto kd = k.dimensions();
-  if (qd.size() != 4 || kd.size() != 5 || v.dimensions().size() != 5) {
+  const auto vd = v.dimensions();
+  const auto md = mask.dimensions();
+  if (qd.size() != 4 || kd.size() != 5 || vd.size() != 5) {
     return ffi::Error::InvalidArgument("decode attention: q must be rank 4, k and v rank 5");
   }
   const int64_t rows = qd[0], heads = qd[1], groups = qd[2], dim = qd[3];
   const int64_t layers = kd[0], size = kd[4];
-  const auto vd = v.dimensions();
-  const auto md = mask.dimensions();
   if (kd[1] != rows || kd[2] != heads || kd[3] != dim || vd[0] != layers || vd[1] != rows ||
       vd[2] != heads || vd[3] != size || vd[4] != dim || md.size() != 2 || md[0] != rows ||
       md[1] != size || last.element_count() != rows) {
