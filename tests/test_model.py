@@ -1,6 +1,7 @@
 """The transformer: cache/full-forward equivalence, padding invariance, MoE routing, configs."""
 
 import functools
+import re
 
 import flax.linen as nn
 import jax
@@ -150,6 +151,68 @@ def test_a_cpu_decode_step_runs_the_kernel_and_equals_xla_decoding(monkeypatch):
   np.testing.assert_allclose(with_kernel, full, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("stacked", [True, False], ids=["all-layers", "one-layer"])
+def test_the_cpu_cache_write_stores_the_new_slots_and_nothing_else(dtype, stacked):
+  """`cpu_kernels.write_cache` against numpy assignment: three new tokens per row at per-row
+  slots, one row's run past the end of the buffer (dropped), into layer 1 of an all-layer
+  cache or into one layer's own arrays. The operands keep their values: the write is in
+  place on XLA's copy of them, never on an array the caller still holds."""
+  assert cpu_kernels.load() is not None, "the kernels did not build on this machine"
+  layers, b, kvh, hd, size, n = 2, 3, 2, 8, 10, 3
+  rng = np.random.default_rng(0)
+  draw = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
+  keys, values = draw(layers, b, kvh, hd, size), draw(layers, b, kvh, size, hd)
+  new_keys, new_values = draw(b, kvh, n, hd), draw(b, kvh, n, hd)
+  slots = jnp.array([0, 4, 8], jnp.int32)[:, None] + jnp.arange(n, dtype=jnp.int32)
+  layer = 1 if stacked else 0
+  operands = (keys, values) if stacked else (keys[1], values[1])
+  before = [np.asarray(x, np.float32) for x in operands]
+  got = jax.jit(cpu_kernels.write_cache)(*operands, layer, new_keys, new_values, slots)
+  want_k, want_v = [x.copy() for x in before]
+  at = (layer,) if stacked else ()
+  for row in range(b):
+    for j, slot in enumerate(np.asarray(slots[row])):
+      if slot < size:  # row 2's slot 10 lies past the buffer
+        want_k[(*at, row, slice(None), slice(None), slot)] = np.asarray(new_keys[row, :, j],
+                                                                        np.float32)
+        want_v[(*at, row, slice(None), slot)] = np.asarray(new_values[row, :, j], np.float32)
+  for x, want, old in zip(got, (want_k, want_v), before):
+    assert x.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(x, np.float32), want)
+    assert np.sum(want != old) == kvh * hd * 8  # eight slots written, the ninth dropped
+  for x, old in zip(operands, before):
+    np.testing.assert_array_equal(np.asarray(x, np.float32), old)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("unroll", [1, 2], ids=["layer-scan", "per-layer-cache"])
+def test_cpu_decode_steps_write_the_cache_where_it_lies(dtype, unroll):
+  """A loop of decode steps, as the sampler's, compiles with no whole-cache op but the
+  kernels: no copy, no convert, no scatter of a cache-shaped array (XLA:CPU's scatter into a
+  bfloat16 cache converted all of it to float32 and back, every layer of every step), over a
+  stacked cache or a per-layer one."""
+  config = DENSE.replace(dtype=dtype, scan_unroll=unroll)
+  params, cache = _setup(config), KVCache.init(config, 2, 64)
+
+  def steps(params, cache):
+    def step(i, carry):
+      cache, token = carry
+      out = Transformer(config).apply({"params": params}, token, cache=cache,
+                                      write_index=jnp.full((2,), i))
+      return out.cache, jnp.argmax(out.logits[:, -1], -1)[:, None].astype(jnp.int32)
+
+    return jax.lax.fori_loop(0, 4, step, (cache, jnp.ones((2, 1), jnp.int32)))[0]
+
+  program = jax.jit(steps, donate_argnums=1).lower(params, cache).compile().as_text()
+  shapes = {",".join(map(str, x.shape)) for x in jax.tree.leaves((cache.k, cache.v))}
+  made = [m.group(2) for m in re.finditer(
+      r"\n\s*(?:ROOT )?%\S+ = \w+\[([\d,]*)\]\{[^}]*\} ([\w-]+)\(", program)
+      if m.group(1) in shapes]
+  assert made and set(made) <= {"parameter", "get-tuple-element", "bitcast"}, sorted(made)
+  assert "PbsdWriteCache" in program
+
+
 @pytest.mark.parametrize("index", [[0, 1, 3333], [3334, 6667, 10000], [9999, 0, 6666]])
 def test_real_before_counts_the_real_slots_before_each_index(index):
   """Blocks of 3334 slots tile 10,000 with the last overlapping the one before by 2."""
@@ -160,12 +223,16 @@ def test_real_before_counts_the_real_slots_before_each_index(index):
   np.testing.assert_array_equal(got, want)
 
 
-def test_the_cpu_decode_attention_kernel_refuses_operands_that_disagree():
+def test_the_cpu_kernels_refuse_operands_that_disagree():
   keys, values = jnp.zeros((1, 2, 1, 4, 8)), jnp.zeros((1, 2, 1, 8, 4))
-  with pytest.raises(Exception, match="disagree"):
+  with pytest.raises(Exception, match="decode attention: .* disagree"):
     jax.block_until_ready(cpu_kernels.decode_attention(
         jnp.zeros((2, 1, 1, 4)), keys, values, 0, jnp.ones((2, 8), bool),
         jnp.zeros(3, jnp.int32)))  # three rows' slots for two rows
+  with pytest.raises(Exception, match="cache write: .* disagree"):
+    jax.block_until_ready(cpu_kernels.write_cache(  # keys of 4 dims into a cache of 8
+        keys, values, 0, jnp.zeros((2, 1, 1, 8)), jnp.zeros((2, 1, 1, 4)),
+        jnp.zeros((2, 1), jnp.int32)))
 
 
 def test_the_cpu_kernels_name_a_missing_compiler_and_are_built_once(tmp_path):

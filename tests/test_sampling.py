@@ -7,7 +7,7 @@ import pytest
 
 from pbsd_jax import sampling
 from pbsd_jax.likelihood import token_logprobs
-from pbsd_jax.models import ModelConfig, Transformer, init_params
+from pbsd_jax.models import ModelConfig, Transformer, cpu_kernels, init_params
 from pbsd_jax.sampling import Sampler, sample_token, stop_sequence_array
 
 CONFIG = ModelConfig(vocab_size=40, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -286,11 +286,19 @@ def test_recording_routes_needs_an_moe_model():
     Sampler(CONFIG, record_routes=True)
 
 
+@pytest.mark.parametrize("write", ["cpu-kernel", "xla"])
 @pytest.mark.parametrize("config", [CONFIG, MOE], ids=["dense", "moe"])
-def test_a_per_layer_cache_runs_the_layers_one_by_one_as_the_layer_scan_does(config):
+def test_a_per_layer_cache_runs_the_layers_one_by_one_as_the_layer_scan_does(config, write,
+                                                                               monkeypatch,
+                                                                               request):
   # With the layer scan fully unrolled the cache holds one array per layer and the layers
   # run one after another over their own arrays; prefill, decode, an uneven append and a
   # second decode give the tokens, log-probs, logits, cache and routes of the stacked cache.
+  # The cache is written in place by the CPU kernel, or by XLA's scatter (as on accelerators).
+  if write == "xla":
+    monkeypatch.setattr(cpu_kernels, "write_cache", lambda *args: None)
+    jax.clear_caches()  # the samplers' jitted methods trace anew, without the kernel
+    request.addfinalizer(jax.clear_caches)  # and with it again after this test
   params = jax.tree.map(lambda x: x * 20.0, init_params(config, jax.random.key(1)))
   states = []
   for unroll in (1, config.num_layers):

@@ -1,9 +1,13 @@
 """CPU kernels, compiled on first use: XLA FFI custom calls for what XLA:CPU does poorly.
 
-`decode_attention` (`kernels/decode_attention.cc`): one query per row over a `KVCache` layer's
-filled slots, read where they lie. XLA:CPU copies each block of keys and values out of the
-cache before it reads it; the kernel reads every filled byte once, spread over the intra-op
-thread pool.
+Both read or write a `KVCache` layer where it lies (`kernels/kv_cache.cc`):
+
+* `decode_attention`: one query per row over a layer's filled slots. XLA:CPU copies each block
+  of keys and values out of the cache before it reads it; the kernel reads every filled byte
+  once, spread over the intra-op thread pool.
+* `write_cache`: new keys and values stored at per-row slots, in place. XLA:CPU scatters into a
+  bfloat16 array by converting all of it to float32 and back, so with a bfloat16 cache every
+  decode step converted the whole cache, eight times over.
 
 The source is compiled with the system C++ compiler (`$CXX`, else `c++` / `g++` on the PATH)
 against JAX's FFI headers (`jax.ffi.include_dir()`) into `$PBSD_JAX_KERNEL_CACHE` (default
@@ -29,10 +33,12 @@ import warnings
 import jax
 import jax.numpy as jnp
 
-SOURCE = pathlib.Path(__file__).parent / "kernels" / "decode_attention.cc"
-# The handlers the source defines, by the cache dtype they read.
+SOURCE = pathlib.Path(__file__).parent / "kernels" / "kv_cache.cc"
+# The handlers the source defines, by the cache dtype they read or write.
 TARGETS = {jnp.dtype(jnp.float32): "PbsdDecodeAttentionF32",
            jnp.dtype(jnp.bfloat16): "PbsdDecodeAttentionBF16"}
+WRITE_TARGETS = {jnp.dtype(jnp.float32): "PbsdWriteCacheF32",
+                 jnp.dtype(jnp.bfloat16): "PbsdWriteCacheBF16"}
 
 
 def flags() -> list[str]:
@@ -85,10 +91,11 @@ def load() -> ctypes.CDLL | None:
   try:
     library = ctypes.cdll.LoadLibrary(str(build()))
   except (RuntimeError, OSError) as e:
-    warnings.warn(f"pbsd_jax CPU kernels not built ({e}); decode attention runs in XLA",
+    warnings.warn(f"pbsd_jax CPU kernels not built ({e}); the KV cache is read and written "
+                  "by XLA",
                   RuntimeWarning, stacklevel=2)
     return None
-  for symbol in TARGETS.values():
+  for symbol in (*TARGETS.values(), *WRITE_TARGETS.values()):
     jax.ffi.register_ffi_target(symbol, jax.ffi.pycapsule(getattr(library, symbol)),
                                 platform="cpu")
   return library
@@ -98,7 +105,8 @@ def decode_attention(query: jax.Array, keys: jax.Array, values: jax.Array, layer
                      last) -> jax.Array | None:
   """`f32[B, kv_heads, groups, head_dim]`: each row's queries (`f32`, already scaled by
   `1/sqrt(head_dim)`) over layer `layer` of `keys: [layers, B, kv_heads, head_dim, S]` and
-  `values: [layers, B, kv_heads, S, head_dim]` (`KVCache`, f32 or bf16), at the slots
+  `values: [layers, B, kv_heads, S, head_dim]` (`KVCache`, f32 or bf16; or one layer's arrays
+  without the `layers` axis, and layer 0), at the slots
   `s <= last[b]` where `key_mask: bool[B, S]` holds; zeros for a row with none. None where the
   kernel is not available (not built, or another cache dtype): the caller runs XLA's.
 
@@ -111,3 +119,22 @@ def decode_attention(query: jax.Array, keys: jax.Array, values: jax.Array, layer
                           vmap_method="sequential")(
       query.astype(jnp.float32), keys, values, key_mask.astype(bool),
       jnp.asarray(last, jnp.int32), jnp.asarray(layer, jnp.int32))
+
+
+def write_cache(keys: jax.Array, values: jax.Array, layer, new_keys: jax.Array,
+                new_values: jax.Array, slots: jax.Array) -> tuple[jax.Array, jax.Array] | None:
+  """`(keys, values)` with layer `layer` holding `new_keys[b, h, j]` and `new_values[b, h, j]`
+  (`[B, kv_heads, N, head_dim]`) at slot `slots[b, j]`, a slot outside the buffer dropped:
+  `KVCache` arrays as in `decode_attention`, updated in place (the results alias them). None
+  where the kernel is not available: the caller scatters in XLA.
+
+  Not differentiable in the new keys and values; under a mesh XLA gathers the cache onto each
+  device, as for `decode_attention`."""
+  target = WRITE_TARGETS.get(jnp.dtype(keys.dtype))
+  if target is None or values.dtype != keys.dtype or load() is None:
+    return None
+  return jax.ffi.ffi_call(target, (jax.ShapeDtypeStruct(keys.shape, keys.dtype),
+                                   jax.ShapeDtypeStruct(values.shape, values.dtype)),
+                          input_output_aliases={0: 0, 1: 1}, vmap_method="sequential")(
+      keys, values, new_keys.astype(keys.dtype), new_values.astype(keys.dtype),
+      jnp.asarray(slots, jnp.int32), jnp.asarray(layer, jnp.int32))

@@ -180,7 +180,10 @@ def tiling(size: int, block: int) -> tuple[int, int]:
 def layer_window(x: Array, layer: Array | int, start: Array | int, width: int, dtype,
                  axis: int = 3) -> Array:
   """Slots `[start, start + width)` (along `axis`: 4 for the keys, 3 for the values) of layer
-  `layer` of an all-layer cache array (`KVCache`), read in place, in `dtype`."""
+  `layer` of an all-layer cache array (`KVCache`), or of one layer's array (rank 4; `layer`
+  is then 0), read in place, in `dtype`."""
+  if x.ndim == 4:
+    x = x[None]
   starts = [layer, 0, 0, 0, 0]
   starts[axis] = start
   sizes = [1, *x.shape[1:]]
@@ -222,7 +225,7 @@ def decode_attention(query: Array, keys: Array, values: Array, layer: Array | in
   `cpu_kernels.decode_attention` instead, the same computation reading the cache in place.
   """
   f32 = jnp.float32
-  size = values.shape[3]
+  size = values.shape[-2]
   _, block = tiling(size, DECODE_BLOCK)
   query = query[..., None]  # [B, kvh, g, hd, 1]
 
@@ -522,14 +525,15 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x, positions, query_slots, key_mask, cache):
-    """`cache`: None, or `(k, v, layer)`: every layer's keys and values and this layer's index,
-    or `(k, v, layer, mask)` for an empty cache filled from slot 0 (a prefill): the new tokens,
-    real where `mask: bool[B, T]`, then attend among themselves only, through the same kernels
-    as a forward without a cache.
+    """`cache`: None, or `(k, v, layer)`: every layer's keys and values and this layer's index
+    (or this layer's own arrays, rank 4, and 0), or `(k, v, layer, mask)` for an empty cache
+    filled from slot 0 (a prefill): the new tokens, real where `mask: bool[B, T]`, then
+    attend among themselves only, through the same kernels as a forward without a cache.
 
-    The new keys and values are scattered straight into the all-layer arrays (which the
+    The new keys and values are written straight into the all-layer arrays (which the
     layer scan carries), so a decode step updates the cache in place instead of slicing
-    it out and stacking it back (a copy of the whole cache per step).
+    it out and stacking it back (a copy of the whole cache per step): on the CPU by
+    `cpu_kernels.write_cache`, elsewhere by XLA's scatter.
     """
     c = self.config
     dt, hd, h, kvh = c.jnp_dtype, c.resolved_head_dim, c.num_heads, c.num_kv_heads
@@ -555,15 +559,21 @@ class Attention(nn.Module):
     if cache is None:
       new_cache = None
     else:
-      # Scatter with mode="drop": slots past the end of the buffer are discarded rather than
-      # clamped (dynamic_update_slice would silently shift the write).
+      # Slots past the end of the buffer are dropped (the kernel skips them, XLA's scatter
+      # has mode="drop"), not clamped (dynamic_update_slice would silently shift the write).
       cache_k, cache_v, layer = cache[:3]
-      rows, heads = jnp.arange(k.shape[0])[:, None, None], jnp.arange(kvh)[None, :, None]
-      slots = query_slots[:, None, :]
-      cache_k = cache_k.at[layer, rows, heads, :, slots].set(k.astype(cache_k.dtype),
-                                                             mode="drop")
-      cache_v = cache_v.at[layer, rows, heads, slots].set(v.astype(cache_v.dtype), mode="drop")
-      new_cache = (cache_k, cache_v, layer, *cache[3:])
+      written = None
+      if jax.default_backend() == "cpu":  # in place, where the kernel is built
+        written = cpu_kernels.write_cache(cache_k, cache_v, layer, k, v, query_slots)
+      if written is None:
+        lead = () if cache_k.ndim == 4 else (layer,)  # one layer's arrays, or all layers'
+        rows, heads = jnp.arange(k.shape[0])[:, None, None], jnp.arange(kvh)[None, :, None]
+        slots = query_slots[:, None, :]
+        written = (cache_k.at[(*lead, rows, heads, slice(None), slots)].set(
+                       k.astype(cache_k.dtype), mode="drop"),
+                   cache_v.at[(*lead, rows, heads, slots)].set(
+                       v.astype(cache_v.dtype), mode="drop"))
+      new_cache = (*written, layer, *cache[3:])
     local = cache is None or len(cache) == 4  # the new tokens attend among themselves only
     if not local:
       all_keys, all_values, layer = new_cache[:3]  # read in place: never copied out
@@ -572,7 +582,7 @@ class Attention(nn.Module):
       if cache is not None:
         key_mask = cache[3]
         query_slots = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), key_mask.shape)
-    size = all_values.shape[3]
+    size = all_values.shape[-2]
     b, t = q.shape[:2]
     q = q.reshape(b, t, kvh, h // kvh, hd)
 
@@ -769,18 +779,20 @@ class Transformer(nn.Module):
 
   def _each_layer(self, x, caches, positions, query_slots, key_mask, routes):
     """The layers one after another, over a per-layer cache (`KVCache`): layer `i` runs with
-    its slice of the scanned parameters, and its own cache arrays as a one-layer cache."""
+    its slice of the scanned parameters, and its own cache arrays as they are (a leading
+    layer axis of 1 added to them was a reshape around the in-place write of
+    `cpu_kernels.write_cache`, and XLA copied the whole array on either side of it)."""
     c = self.config
     stacked = self.variables["params"]["layers"]
     keys, values, layer_routes = [], [], []
     for i in range(c.num_layers):
       params = jax.tree.map(lambda a: a[i], stacked)
-      carry = (x, (caches[0][i][None], caches[1][i][None], 0, *caches[3:]))
+      carry = (x, (caches[0][i], caches[1][i], 0, *caches[3:]))
       (x, cache), layer_route = Block(c, parent=None).apply(
           {"params": params}, carry, positions, query_slots, key_mask,
           None if routes is None else routes[i])
-      keys.append(cache[0][0])
-      values.append(cache[1][0])
+      keys.append(cache[0])
+      values.append(cache[1])
       layer_routes.append(layer_route)
     new_routes = None if layer_routes[0] is None else jnp.stack(layer_routes)
     return x, (tuple(keys), tuple(values)), new_routes
