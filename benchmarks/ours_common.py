@@ -42,6 +42,8 @@ def parser(doc: str) -> argparse.ArgumentParser:
                  "(instead of --model)")
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                  help="compute dtype (parameters stay float32 master weights)")
+  p.add_argument("--cache-dtype", default="", choices=("", "float32", "bfloat16"),
+                 help="KV cache dtype (ModelConfig.cache_dtype; default: the compute dtype)")
   p.add_argument("--repeats", type=int, default=3, help="timed calls after the warm-up")
   p.add_argument("--scan-unroll", type=int, default=1,
                  help="layers per iteration of the layer scan (ModelConfig.scan_unroll); 0: "
@@ -51,7 +53,7 @@ def parser(doc: str) -> argparse.ArgumentParser:
 
 def load_model(args) -> tuple[ModelConfig, Any]:
   """`(config, params)` from `--model` or `--size`: float32 parameters, `--dtype` compute,
-  `--scan-unroll` layers per scan iteration."""
+  `--cache-dtype` KV cache, `--scan-unroll` layers per scan iteration."""
   if args.model:
     config, params = hf.load(args.model, param_dtype="float32", dtype=args.dtype)
   elif args.size:
@@ -59,7 +61,8 @@ def load_model(args) -> tuple[ModelConfig, Any]:
     params = init_params(config, jax.random.key(0))
   else:
     raise SystemExit("pass --model DIR (benchmarks/reference.py --out DIR) or --size NAME")
-  return config.replace(scan_unroll=args.scan_unroll or config.num_layers), params
+  return config.replace(scan_unroll=args.scan_unroll or config.num_layers,
+                        cache_dtype=args.cache_dtype), params
 
 
 def load_prompts(args, config: ModelConfig, num: int = 8, width: int = 64) -> np.ndarray:

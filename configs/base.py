@@ -24,10 +24,12 @@ def get_config() -> ml_collections.ConfigDict:
   # attention: "ours" or "dot_product" (the accelerator's kernel: cuDNN flash attention on GPU,
   # Pallas splash attention on TPU, XLA on CPU), or "splash" (the splash kernel anywhere).
   # remat, scan_unroll (layers per iteration of the layer scan) and attention say how the
-  # layers are computed, also for an init_dir model, and may change on resume.
+  # layers are computed, also for an init_dir model, and may change on resume; so may
+  # cache_dtype, the rollouts' KV cache dtype ("": the compute dtype; "bfloat16" under float32
+  # compute halves the cache and what each decode step reads).
   c.model = ml_collections.ConfigDict(dict(name="tiny", init_dir="", param_dtype="float32",
-                                           dtype="float32", remat=False, scan_unroll=1,
-                                           attention="ours"))
+                                           dtype="float32", cache_dtype="", remat=False,
+                                           scan_unroll=1, attention="ours"))
 
   # Data: the embedded task, where `dir` holds make_data.py output (made there if missing and
   # `make_if_missing`); or user files (comma-separated, Search-R1 .jsonl/.parquet with

@@ -40,7 +40,7 @@ _STAND_IN_IDS = dict(search_open=1, search_close=2, answer_open=3, answer_close=
 _STAND_IN_VOCAB = 1024
 # How the layers are computed, and in which precision the weights are held and used: the run's
 # choice, for a named size and for an `init_dir` checkpoint alike (which fixes what they compute).
-RUN_MODEL_FIELDS = ("param_dtype", "dtype", "remat", "scan_unroll", "attention")
+RUN_MODEL_FIELDS = ("param_dtype", "dtype", "cache_dtype", "remat", "scan_unroll", "attention")
 
 
 class ConfigError(ValueError):

@@ -25,7 +25,7 @@ from typing import Any
 RESUMABLE = ("sft.steps", "rl.steps", "rl.save_rollouts", "eval", "checkpoint.save_interval_steps",
              "checkpoint.max_to_keep", "checkpoint.async_save", "env.url", "env.timeout_s",
              "env.max_retries", "env.index_dir", "env.index", "mesh", "model.remat",
-             "model.scan_unroll", "model.attention")
+             "model.scan_unroll", "model.attention", "model.cache_dtype")
 CONFIG_FILE = "run_config.json"
 LOCK_FILE = ".lock"
 _held: list = []  # the locks `claim_for_script` keeps for the life of the process

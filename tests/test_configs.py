@@ -180,15 +180,17 @@ def test_how_the_layers_are_computed_is_the_runs_choice_also_for_an_init_dir_mod
   saved = train.build_model_config(load("demo"), vocab_size=2048)
   policy_checkpoint.save_model_config(str(tmp_path), saved.replace(remat=True, scan_unroll=2))
   flags = (f"--config.model.init_dir={tmp_path}", "--config.model.scan_unroll=3",
-           "--config.model.attention=dot_product")
+           "--config.model.attention=dot_product", "--config.model.cache_dtype=bfloat16")
   for config in (train.build_model_config(load("demo", *flags), vocab_size=2048),
                  train.build_model_config(load("demo", *flags[1:]), vocab_size=2048)):
-    assert (config.remat, config.scan_unroll, config.attention) == (False, 3, "dot_product")
-    assert config.replace(remat=True, scan_unroll=2, attention="ours") == saved.replace(
-        remat=True, scan_unroll=2)
-  with pytest.raises(train.ConfigError, match=r"^config\.model\.scan_unroll: "):
-    train.build_model_config(load("demo", *flags[:1], "--config.model.scan_unroll=0"),
-                             vocab_size=2048)
+    assert (config.remat, config.scan_unroll, config.attention, config.cache_dtype) == (
+        False, 3, "dot_product", "bfloat16")
+    assert config.replace(remat=True, scan_unroll=2, attention="ours",
+                          cache_dtype="") == saved.replace(remat=True, scan_unroll=2)
+  for flag, field in (("scan_unroll=0", "scan_unroll"), ("cache_dtype=int8", "cache_dtype")):
+    with pytest.raises(train.ConfigError, match=rf"^config\.model\.{field}: "):
+      train.build_model_config(load("demo", *flags[:1], f"--config.model.{flag}"),
+                               vocab_size=2048)
 
 
 def test_an_init_dir_model_is_read_in_the_runs_precision(tmp_path):

@@ -213,6 +213,36 @@ def test_cpu_decode_steps_write_the_cache_where_it_lies(dtype, unroll):
   assert "PbsdWriteCache" in program
 
 
+@pytest.mark.parametrize("unroll", [1, 2], ids=["layer-scan", "per-layer-cache"])
+def test_a_bfloat16_cache_under_float32_compute_holds_the_rounded_keys_and_values(unroll):
+  """`cache_dtype="bfloat16"` with float32 compute: prefill and decode steps store the first
+  layer's keys and values as the float32 cache's rounded to bfloat16 (they depend on the
+  tokens alone), and the logits stay within bfloat16 rounding of the float32 cache's while
+  differing from them (the cache's dtype is what the steps read)."""
+  f32_config = DENSE.replace(scan_unroll=unroll)
+  params = _setup(DENSE)
+  tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, DENSE.vocab_size)
+  runs = {}
+  for config in (f32_config, f32_config.replace(cache_dtype="bfloat16")):
+    out = _forward(config, params, tokens[:, :4], cache=KVCache.init(config, 2, 12),
+                   write_index=jnp.zeros(2, jnp.int32))
+    logits, cache = [out.logits], out.cache
+    for i in range(4, 10):
+      out = _forward(config, params, tokens[:, i:i + 1], cache=cache,
+                     write_index=jnp.full((2,), i))
+      logits.append(out.logits)
+      cache = out.cache
+    # Layer 0: the first of the per-layer arrays, or the first row of the stacked ones.
+    runs[config.cache_dtype] = (jnp.concatenate(logits, 1), cache.k[0], cache.v[0])
+  (f32_logits, f32_k, f32_v), (logits, k, v) = runs[""], runs["bfloat16"]
+  assert k.dtype == v.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(k, f32_k.astype(jnp.bfloat16))
+  np.testing.assert_array_equal(v, f32_v.astype(jnp.bfloat16))
+  assert float(jnp.max(jnp.abs(f32_k))) > 0.5
+  gap = float(jnp.max(jnp.abs(logits - f32_logits)))
+  assert 1e-6 < gap < 2e-2 * float(jnp.max(jnp.abs(f32_logits))), gap
+
+
 @pytest.mark.parametrize("index", [[0, 1, 3333], [3334, 6667, 10000], [9999, 0, 6666]])
 def test_real_before_counts_the_real_slots_before_each_index(index):
   """Blocks of 3334 slots tile 10,000 with the last overlapping the one before by 2."""
@@ -467,6 +497,7 @@ def test_dense_gradients_equal_einsum_and_run_as_row_major_products(x_shape, ker
     ({"hidden_size": 0}, "hidden_size"),
     ({"scan_unroll": 0}, "scan_unroll"),
     ({"dtype": "float64"}, "dtype"),
+    ({"cache_dtype": "int8"}, "cache_dtype"),
     ({"rope_theta": -1.0}, "rope_theta"),
 ])
 def test_inconsistent_config_raises_naming_the_field(changes, field):

@@ -81,6 +81,10 @@ class ModelConfig:
   # logits and log-probs are always float32.
   param_dtype: str = "float32"
   dtype: str = "float32"
+  # The KV cache's dtype ("": the compute dtype). "bfloat16" under float32 compute halves the
+  # cache's memory and what a decode step reads from it; keys and values are rounded to it
+  # when written and widened to the compute dtype when read.
+  cache_dtype: str = ""
   remat: bool = False
   # Layers per iteration of the layer scan (`lax.scan`'s `unroll`); `num_layers` or more
   # unrolls it fully. The parameters keep their stacked layout either way. On XLA:CPU a
@@ -125,9 +129,10 @@ class ModelConfig:
       raise ValueError(
           f"ModelConfig.num_experts_per_tok={self.num_experts_per_tok} must be in "
           f"[1, num_experts={self.num_experts}]")
-    for name in ("param_dtype", "dtype"):
-      if getattr(self, name) not in _DTYPES:
-        raise ValueError(f"ModelConfig.{name} must be one of {sorted(_DTYPES)}, got "
+    for name in ("param_dtype", "dtype", "cache_dtype"):
+      allowed = sorted(_DTYPES) + ([""] if name == "cache_dtype" else [])
+      if getattr(self, name) not in allowed:
+        raise ValueError(f"ModelConfig.{name} must be one of {allowed}, got "
                          f"{getattr(self, name)!r}")
     if self.attention not in ATTENTION:
       raise ValueError(f"ModelConfig.attention must be one of {ATTENTION}, got "
@@ -150,6 +155,10 @@ class ModelConfig:
   @property
   def jnp_dtype(self):
     return _DTYPES[self.dtype]
+
+  @property
+  def jnp_cache_dtype(self):
+    return _DTYPES[self.cache_dtype or self.dtype]
 
   @property
   def jnp_param_dtype(self):

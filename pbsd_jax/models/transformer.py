@@ -60,8 +60,9 @@ class KVCache:
 
   @classmethod
   def init(cls, config: ModelConfig, batch: int, size: int) -> "KVCache":
-    """An empty cache of `size` slots per row, in the compute dtype."""
-    v = jnp.zeros((batch, config.num_kv_heads, size, config.resolved_head_dim), config.jnp_dtype)
+    """An empty cache of `size` slots per row, in `config.cache_dtype`."""
+    v = jnp.zeros((batch, config.num_kv_heads, size, config.resolved_head_dim),
+                  config.jnp_cache_dtype)
     k, mask = jnp.swapaxes(v, 2, 3), jnp.zeros((batch, size), bool)
     if config.scan_unroll >= config.num_layers:
       return cls(k=(k,) * config.num_layers, v=(v,) * config.num_layers, mask=mask)
