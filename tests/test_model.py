@@ -46,20 +46,27 @@ token_logprobs = jax.jit(token_logprobs, static_argnums=1,
                          static_argnames=("chunk_size", "with_entropy"))
 
 
+def _prefill_then_decode(config, params, tokens, prompt: int, size: int):
+  """`(logits f32[B, T, V], cache)`: a prefill of `tokens[:, :prompt]` into a cache of `size`
+  slots, then one decode step per remaining token."""
+  out = _forward(config, params, tokens[:, :prompt], cache=KVCache.init(config, 2, size),
+                 write_index=jnp.zeros(2, jnp.int32))
+  logits, cache = [out.logits], out.cache
+  for i in range(prompt, tokens.shape[1]):
+    out = _forward(config, params, tokens[:, i:i + 1], cache=cache,
+                   write_index=jnp.full((2,), i))
+    logits.append(out.logits)
+    cache = out.cache
+  return jnp.concatenate(logits, 1), cache
+
+
 @pytest.mark.parametrize("config", [DENSE, QWEN3, MOE], ids=["dense", "qwen3", "moe"])
 def test_cached_decode_reproduces_full_forward_logits(config):
   params = _setup(config)
   tokens = jax.random.randint(jax.random.key(1), (2, 12), 0, config.vocab_size)
   full = _forward(config, params, tokens).logits
-  out = _forward(config, params, tokens[:, :5], cache=KVCache.init(config, 2, 16),
-                 write_index=jnp.zeros(2, jnp.int32))
-  logits, cache = [out.logits], out.cache
-  for i in range(5, 12):
-    out = _forward(config, params, tokens[:, i:i + 1], cache=cache,
-                   write_index=jnp.full((2,), i))
-    logits.append(out.logits)
-    cache = out.cache
-  np.testing.assert_allclose(jnp.concatenate(logits, 1), full, atol=1e-5, rtol=1e-5)
+  logits, _ = _prefill_then_decode(config, params, tokens, 5, 16)
+  np.testing.assert_allclose(logits, full, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kernel", [False, True], ids=["xla", "cpu-kernel"])
@@ -224,16 +231,9 @@ def test_a_bfloat16_cache_under_float32_compute_holds_the_rounded_keys_and_value
   tokens = jax.random.randint(jax.random.key(1), (2, 10), 0, DENSE.vocab_size)
   runs = {}
   for config in (f32_config, f32_config.replace(cache_dtype="bfloat16")):
-    out = _forward(config, params, tokens[:, :4], cache=KVCache.init(config, 2, 12),
-                   write_index=jnp.zeros(2, jnp.int32))
-    logits, cache = [out.logits], out.cache
-    for i in range(4, 10):
-      out = _forward(config, params, tokens[:, i:i + 1], cache=cache,
-                     write_index=jnp.full((2,), i))
-      logits.append(out.logits)
-      cache = out.cache
+    logits, cache = _prefill_then_decode(config, params, tokens, 4, 12)
     # Layer 0: the first of the per-layer arrays, or the first row of the stacked ones.
-    runs[config.cache_dtype] = (jnp.concatenate(logits, 1), cache.k[0], cache.v[0])
+    runs[config.cache_dtype] = (logits, cache.k[0], cache.v[0])
   (f32_logits, f32_k, f32_v), (logits, k, v) = runs[""], runs["bfloat16"]
   assert k.dtype == v.dtype == jnp.bfloat16
   np.testing.assert_array_equal(k, f32_k.astype(jnp.bfloat16))
