@@ -49,12 +49,13 @@ token_logprobs = jax.jit(token_logprobs, static_argnums=1,
 def _prefill_then_decode(config, params, tokens, prompt: int, size: int):
   """`(logits f32[B, T, V], cache)`: a prefill of `tokens[:, :prompt]` into a cache of `size`
   slots, then one decode step per remaining token."""
-  out = _forward(config, params, tokens[:, :prompt], cache=KVCache.init(config, 2, size),
-                 write_index=jnp.zeros(2, jnp.int32))
+  b = tokens.shape[0]
+  out = _forward(config, params, tokens[:, :prompt], cache=KVCache.init(config, b, size),
+                 write_index=jnp.zeros(b, jnp.int32))
   logits, cache = [out.logits], out.cache
   for i in range(prompt, tokens.shape[1]):
     out = _forward(config, params, tokens[:, i:i + 1], cache=cache,
-                   write_index=jnp.full((2,), i))
+                   write_index=jnp.full((b,), i))
     logits.append(out.logits)
     cache = out.cache
   return jnp.concatenate(logits, 1), cache

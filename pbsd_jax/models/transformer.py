@@ -538,6 +538,7 @@ class Attention(nn.Module):
     """
     c = self.config
     dt, hd, h, kvh = c.jnp_dtype, c.resolved_head_dim, c.num_heads, c.num_kv_heads
+    backend = jax.default_backend()
 
     def project(name, heads):
       kernel = _param(self, f"{name}_kernel", (c.hidden_size, heads, hd),
@@ -564,7 +565,7 @@ class Attention(nn.Module):
       # has mode="drop"), not clamped (dynamic_update_slice would silently shift the write).
       cache_k, cache_v, layer = cache[:3]
       written = None
-      if jax.default_backend() == "cpu":  # in place, where the kernel is built
+      if backend == "cpu":  # in place, where the kernel is built
         written = cpu_kernels.write_cache(cache_k, cache_v, layer, k, v, query_slots)
       if written is None:
         lead = () if cache_k.ndim == 4 else (layer,)  # one layer's arrays, or all layers'
@@ -594,7 +595,7 @@ class Attention(nn.Module):
 
     def attend_library(q):
       """`jax.nn.dot_product_attention`: cuDNN's fused kernel on GPU in 16-bit floats."""
-      gpu = jax.default_backend() == "gpu" and dt in (jnp.bfloat16, jnp.float16)
+      gpu = backend == "gpu" and dt in (jnp.bfloat16, jnp.float16)
       keys, values = read(0, size)
       allowed = key_mask[:, None, :] & (jnp.arange(size)[None, None, :]
                                         <= query_slots[:, :, None])
@@ -603,12 +604,12 @@ class Attention(nn.Module):
           mask=allowed[:, None], implementation="cudnn" if gpu else "xla")
       return out.reshape(q.shape)
 
-    tpu = jax.default_backend() == "tpu"
+    tpu = backend == "tpu"
     if t == 1:
       query = q[:, 0].astype(jnp.float32) / jnp.sqrt(jnp.float32(hd))
       last = query_slots[:, 0]  # each row attends to the slots up to its own
       out = None
-      if jax.default_backend() == "cpu":  # the kernel, where it is built
+      if backend == "cpu":  # the kernel, where it is built
         out = cpu_kernels.decode_attention(query, all_keys, all_values, layer, key_mask, last)
       if out is None:
         out = decode_attention(query, all_keys, all_values, layer, key_mask, last)

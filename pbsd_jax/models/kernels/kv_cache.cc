@@ -18,7 +18,7 @@
 //
 // Cache write: new keys and values stored at per-row slots of one layer, in place (the results
 // alias k and v). XLA:CPU scatters a bf16 array by converting all of it to f32 and back, every
-// layer of every decode step; this writes only the new slots, in any dtype.
+// layer of every decode step; this writes only the new slots, f32 or bf16.
 //   k, v, new_k T[B, kv_heads, N, head_dim], new_v T[B, kv_heads, N, head_dim],
 //   slots s32[B, N] (token j of row b goes to slot slots[b, j]; one outside [0, S) is dropped),
 //   layer s32[]; results: k and v with the new slots written.
@@ -240,6 +240,7 @@ ffi::Error WriteCache(ffi::ThreadPool pool, ffi::Buffer<T> k, ffi::Buffer<T> v,
     Native* row_k = keys + t * dim * size;
     Native* row_v = values + t * size * dim;
     const Native* new_keys = fresh_k + t * n * dim;
+    const Native* new_values = fresh_v + t * n * dim;
     for (int64_t d = 0; d < dim; ++d) {  // runs of consecutive slots in each key row
       Native* key_row = row_k + d * size;
       for (int64_t j = 0; j < n; ++j) {
@@ -250,7 +251,7 @@ ffi::Error WriteCache(ffi::ThreadPool pool, ffi::Buffer<T> k, ffi::Buffer<T> v,
     for (int64_t j = 0; j < n; ++j) {
       const int64_t s = row_slots[j];
       if (s >= 0 && s < size) {
-        std::memcpy(row_v + s * dim, fresh_v + (t * n + j) * dim, dim * sizeof(Native));
+        std::memcpy(row_v + s * dim, new_values + j * dim, dim * sizeof(Native));
       }
     }
   });
