@@ -122,13 +122,38 @@ def read_bandwidth(megabytes: int = 512, repeats: int = 3) -> float:
   return x.nbytes / seconds
 
 
+def matmul_kernels(config: ModelConfig, head: bool = True) -> list[tuple[int, int]]:
+  """`(in, out)` of every matmul with activations: each layer's q, k, v, o, gate, up and down
+  kernels, and (with `head`) the LM head last; not the embedding gather or the norms."""
+  d, hd, f = config.hidden_size, config.resolved_head_dim, config.mlp_dim
+  q, kv = config.num_heads * hd, config.num_kv_heads * hd
+  layer = [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)]
+  return layer * config.num_layers + ([(d, config.vocab_size)] if head else [])
+
+
 def matmul_params(config: ModelConfig, head: bool = True) -> int:
-  """Parameters of every matmul with activations: the layers' q, k, v, o, gate, up and down
-  kernels, and (with `head`) the LM head; not the embedding gather or the norms."""
-  d, hd = config.hidden_size, config.resolved_head_dim
-  attention = d * (config.num_heads + 2 * config.num_kv_heads) * hd + config.num_heads * hd * d
-  return (config.num_layers * (attention + 3 * d * config.mlp_dim)
-          + (d * config.vocab_size if head else 0))
+  """Parameters of `matmul_kernels`."""
+  return sum(i * o for i, o in matmul_kernels(config, head))
+
+
+def products_seconds(shapes: list[tuple[int, int, int]], repeats: int, steps: int = 1) -> float:
+  """Best wall seconds of the products `[m, k] x [k, n]` of `shapes`, each on operands of its
+  own (XLA computes every one; independent ones may run side by side, as in a model), per
+  round of `steps` rounds. Over several rounds (a `fori_loop`) each left operand is scaled by
+  a carried scalar, so no product is hoisted out of the loop: `m x k` multiplies each."""
+  keys = iter(jax.random.split(jax.random.key(0), 2 * len(shapes)))
+  operands = [(jax.random.normal(next(keys), (m, k)), jax.random.normal(next(keys), (k, n)))
+              for m, k, n in shapes]
+  if steps == 1:
+    run = jax.jit(lambda operands: [a @ b for a, b in operands])
+  else:
+    def rounds(operands):
+      def one(_, scale):
+        return 1.0 + 1e-9 * sum((a * scale @ b)[0, 0] for a, b in operands)
+      return jax.lax.fori_loop(0, steps, one, jnp.float32(1.0))
+    run = jax.jit(rounds)
+  seconds, _ = best_of(lambda: run(operands), repeats)
+  return seconds / steps
 
 
 def chip_peaks() -> tuple[float, float] | None:

@@ -16,7 +16,9 @@ episode pays for its longer context. Time per trajectory token = wall seconds of
 The long-horizon row: sampled actions over `--long-turns` turns (default 64) and over 1 turn,
 both in a buffer of `--long-buffer` slots (default 32,768): what a step costs follows what is
 filled (decode reads the cache up to the longest filled prefix, appends skip the empty tiles),
-not the buffer.
+not the buffer. `long_cache_read_s_per_token`: the bytes of KV cache its decode steps read (each
+sampled token's step reads every slot up to its own), at the read bandwidth measured in the same
+run, per trajectory token.
 """
 
 from __future__ import annotations
@@ -76,8 +78,13 @@ def time_per_token(config, params, prompts, index, docs, turns: int, kind: str, 
   seconds, out = ours_common.best_of(rollout, args.repeats)
   # A sampled row may end early (it drew EOS or closed a tag): count what was written.
   tokens = int(jnp.sum(out.length - p))
+  # What the decode steps read of the KV cache: each sampled token's step reads every slot up
+  # to its own (all real here), both keys and values of every layer.
+  slots_read = int(jnp.sum(jnp.where(out.action_mask, jnp.arange(out.tokens.shape[1]) + 1, 0)))
+  slot_bytes = (2 * config.num_layers * config.num_kv_heads * config.resolved_head_dim
+                * jnp.dtype(config.jnp_cache_dtype).itemsize)
   return {"seconds": seconds, "tokens": tokens, "s_per_token": seconds / tokens,
-          "buffer": env.buffer_size}
+          "buffer": env.buffer_size, "cache_bytes_read": slots_read * slot_bytes}
 
 
 def main():
@@ -108,7 +115,12 @@ def main():
     result.update(long_multiturn={"1": one, str(args.long_turns): many},
                   long_s_per_token_1turn=one["s_per_token"],
                   long_s_per_token_many=many["s_per_token"], long_turns=args.long_turns,
-                  long_buffer=args.long_buffer, long_turns_tokens=many["tokens"])
+                  long_buffer=args.long_buffer, long_turns_tokens=many["tokens"],
+                  read_bytes_s=ours_common.read_bandwidth())
+    # The cache reads alone at the read bandwidth, per trajectory token: a bound under the
+    # long episode's time per token that no decode kernel moves.
+    result["long_cache_read_s_per_token"] = (many["cache_bytes_read"] / result["read_bytes_s"]
+                                             / many["tokens"])
   ours_common.emit(result)
 
 

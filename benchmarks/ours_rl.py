@@ -171,24 +171,38 @@ def main():
     result["pbsd_over_grpo"] = result["pbsd_step_s"] / result["grpo_step_s"]
     result["pbsd_extra_over_teacher"] = ((result["pbsd_step_s"] - result["grpo_step_s"])
                                          / result["pbsd_evidence_s"])
-  result.update(floors(config, prompts.shape, args.new_tokens, result))
+  result.update(floors(config, prompts.shape, args, result))
   ours_common.emit(result)
 
 
-def floors(config, shape: tuple[int, int], new_tokens: int, result: dict) -> dict:
-  """The update's and the decode step's floors (module docstring) and our time over each."""
+def floors(config, shape: tuple[int, int], args, result: dict) -> dict:
+  """The update's and the decode step's floors (module docstring), our time over each, and
+  the same matrix products alone (`ours_common.products_seconds`) at the shapes we run them:
+  the update's over every token (the LM head's over the trajectory tokens, in `--chunk-size`
+  chunks, without its rematerialised forward) and a decode step's for `rows` rows."""
   rows, prompt = shape
   peak = ours_common.matmul_peak(config.dtype)
   out = {"matmul_peak_flops": peak, "read_bytes_s": ours_common.read_bandwidth()}
   if "grpo_update_s" in result:
-    flops = 6 * (ours_common.matmul_params(config, head=False) * rows * (prompt + new_tokens)
-                 + config.hidden_size * config.vocab_size * rows * new_tokens)
+    tokens, scored = rows * (prompt + args.new_tokens), rows * args.new_tokens
+    flops = 6 * (ours_common.matmul_params(config, head=False) * tokens
+                 + config.hidden_size * config.vocab_size * scored)
+    chunk = rows * args.chunk_size if args.chunk_size else scored
+    passes = [(tokens, i, o) for i, o in ours_common.matmul_kernels(config, head=False)]
+    passes += [(chunk, config.hidden_size, config.vocab_size)] * (scored // chunk)
+    # Each kernel's forward, input gradient and weight gradient.
+    shapes = [s for m, i, o in passes for s in ((m, i, o), (m, o, i), (i, m, o))]
+    products = ours_common.products_seconds(shapes, args.repeats)
     out.update(update_floor_flops=flops, update_floor_s=flops / peak,
-               grpo_update_over_floor=result["grpo_update_s"] * peak / flops)
+               grpo_update_over_floor=result["grpo_update_s"] * peak / flops,
+               update_products_s=products, update_products_over_floor=products * peak / flops)
   if "decode_step_s" in result:
     floor = max(2 * ours_common.matmul_params(config) * rows / peak,
                 result["decode_bytes_per_step"] / out["read_bytes_s"])
-    out.update(decode_floor_s=floor, decode_over_floor=result["decode_step_s"] / floor)
+    shapes = [(rows, i, o) for i, o in ours_common.matmul_kernels(config)]
+    products = ours_common.products_seconds(shapes, args.repeats, steps=args.new_tokens)
+    out.update(decode_floor_s=floor, decode_over_floor=result["decode_step_s"] / floor,
+               decode_products_s=products, decode_products_over_floor=products / floor)
   return out
 
 

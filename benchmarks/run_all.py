@@ -79,6 +79,12 @@ EXTRA = (("GRPO step, ours / Tunix at its defaults (beta 0.04)", "ours.grpo_step
          ("PBSD step / GRPO step (ours)", "ours.pbsd_step_s", "ours.grpo_step_s"),
          ("time per trajectory token, 64 turns / 1 turn, both in a 32K buffer",
           "ours.long_s_per_token_many", "ours.long_s_per_token_1turn"),
+         ("64 turns: the KV cache reads alone at the read bandwidth, per trajectory token / "
+          "1 turn in its own buffer", "ours.long_cache_read_s_per_token", "ours.s_per_token_1turn"),
+         ("GRPO update: its matrix products alone / its FLOP floor",
+          "ours.update_products_over_floor", None),
+         ("decode step: its matrix products alone / its floor", "ours.decode_products_over_floor",
+          None),
          ("GRPO step, ours / TRL", "ours.grpo_step_s", "trl.grpo_step_s"))
 
 
