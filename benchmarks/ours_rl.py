@@ -189,7 +189,8 @@ def floors(config, shape: tuple[int, int], args, result: dict) -> dict:
                  + config.hidden_size * config.vocab_size * scored)
     chunk = rows * args.chunk_size if args.chunk_size else scored
     passes = [(tokens, i, o) for i, o in ours_common.matmul_kernels(config, head=False)]
-    passes += [(chunk, config.hidden_size, config.vocab_size)] * (scored // chunk)
+    heads = [chunk] * (scored // chunk) + ([scored % chunk] if scored % chunk else [])
+    passes += [(m, config.hidden_size, config.vocab_size) for m in heads]
     # Each kernel's forward, input gradient and weight gradient.
     shapes = [s for m, i, o in passes for s in ((m, i, o), (m, o, i), (i, m, o))]
     products = ours_common.products_seconds(shapes, args.repeats)
