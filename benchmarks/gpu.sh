@@ -2,7 +2,7 @@
 # Our benchmark suite on an accelerator, on a Qwen2.5-0.5B-shaped model in bfloat16:
 #
 #   bash benchmarks/gpu.sh                 # from anywhere; SIZE=qwen3-0.6b etc. to change shape
-#   ALLOW_CPU=1 SIZE=micro MFU_ARGS="--rows 2 --seq 64 --micro 1 --chunk 32" bash benchmarks/gpu.sh
+#   ALLOW_CPU=1 SIZE=micro MFU_ARGS="--rows 8 --seq 64 --micro 1 --chunk 32" bash benchmarks/gpu.sh
 #                                          # smoke test of the same steps on a CPU
 #
 # Makes the virtualenv if it has no accelerator backend (the package + jax[cuda12]), runs

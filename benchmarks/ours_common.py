@@ -136,20 +136,26 @@ def matmul_params(config: ModelConfig, head: bool = True) -> int:
   return sum(i * o for i, o in matmul_kernels(config, head))
 
 
-def products_seconds(shapes: list[tuple[int, int, int]], repeats: int, steps: int = 1) -> float:
-  """Best wall seconds of the products `[m, k] x [k, n]` of `shapes`, each on operands of its
-  own (XLA computes every one; independent ones may run side by side, as in a model), per
-  round of `steps` rounds. Over several rounds (a `fori_loop`) each left operand is scaled by
-  a carried scalar, so no product is hoisted out of the loop: `m x k` multiplies each."""
+def products_seconds(shapes: list[tuple[int, int, int]], repeats: int, steps: int = 1,
+                     dtype: str = "float32", max_bytes: int = 4 << 30) -> float | None:
+  """Best wall seconds of the products `[m, k] x [k, n]` of `shapes` in `dtype`, each on
+  operands of its own (XLA computes every one; independent ones may run side by side, as in a
+  model), per round of `steps` rounds; None (not measured) where the operands and results
+  would pass `max_bytes`. Over several rounds (a `fori_loop`) each left operand is scaled by a
+  carried scalar, so no product is hoisted out of the loop: `m x k` multiplies each."""
+  size = jnp.dtype(dtype).itemsize * sum(m * k + k * n + m * n for m, k, n in shapes)
+  if size > max_bytes:
+    return None
   keys = iter(jax.random.split(jax.random.key(0), 2 * len(shapes)))
-  operands = [(jax.random.normal(next(keys), (m, k)), jax.random.normal(next(keys), (k, n)))
-              for m, k, n in shapes]
+  operands = [tuple(jax.random.normal(next(keys), shape).astype(dtype)
+                    for shape in ((m, k), (k, n))) for m, k, n in shapes]
   if steps == 1:
     run = jax.jit(lambda operands: [a @ b for a, b in operands])
   else:
     def rounds(operands):
       def one(_, scale):
-        return 1.0 + 1e-9 * sum((a * scale @ b)[0, 0] for a, b in operands)
+        return 1.0 + 1e-9 * sum((a * scale.astype(a.dtype) @ b)[0, 0].astype(jnp.float32)
+                                for a, b in operands)
       return jax.lax.fori_loop(0, steps, one, jnp.float32(1.0))
     run = jax.jit(rounds)
   seconds, _ = best_of(lambda: run(operands), repeats)

@@ -64,13 +64,16 @@ def main():
   # An update of 32k tokens takes about a minute on a 2-core CPU: one warm-up, one timed.
   p.set_defaults(repeats=1)
   args = p.parse_args()
+  algo = algorithms.get("grpo")
+  if args.rows % algo.group_size:
+    p.error(f"--rows {args.rows} is not a whole number of GRPO groups of {algo.group_size}")
   shape = SIZES[args.size] if args.size else LARGER
   config = ModelConfig(**shape, param_dtype="float32", dtype=args.dtype, remat=args.remat)
   params = init_params(config, jax.random.key(0))
   tx = train_state.make_optimizer(1e-6)
   plan = learner.UpdatePlan(micro_batch_size=args.micro, chunk_size=args.chunk)
   update = jax.jit(lambda state, batch: learner.ppo_update(
-      state, batch, config=config, tx=tx, algo=algorithms.get("grpo"), plan=plan),
+      state, batch, config=config, tx=tx, algo=algo, plan=plan),
       donate_argnums=0)
   batch = policy_batch(config, args.rows, args.seq)
   holder = {"state": train_state.init_train_state(params, tx, jax.random.key(0))}

@@ -179,7 +179,8 @@ def floors(config, shape: tuple[int, int], args, result: dict) -> dict:
   """The update's and the decode step's floors (module docstring), our time over each, and
   the same matrix products alone (`ours_common.products_seconds`) at the shapes we run them:
   the update's over every token (the LM head's over the trajectory tokens, in `--chunk-size`
-  chunks, without its rematerialised forward) and a decode step's for `rows` rows."""
+  chunks, without its rematerialised forward) and a decode step's for `rows` rows, where their
+  operands and results fit `products_seconds`'s memory bound."""
   rows, prompt = shape
   peak = ours_common.matmul_peak(config.dtype)
   out = {"matmul_peak_flops": peak, "read_bytes_s": ours_common.read_bandwidth()}
@@ -193,17 +194,20 @@ def floors(config, shape: tuple[int, int], args, result: dict) -> dict:
     passes += [(m, config.hidden_size, config.vocab_size) for m in heads]
     # Each kernel's forward, input gradient and weight gradient.
     shapes = [s for m, i, o in passes for s in ((m, i, o), (m, o, i), (i, m, o))]
-    products = ours_common.products_seconds(shapes, args.repeats)
     out.update(update_floor_flops=flops, update_floor_s=flops / peak,
-               grpo_update_over_floor=result["grpo_update_s"] * peak / flops,
-               update_products_s=products, update_products_over_floor=products * peak / flops)
+               grpo_update_over_floor=result["grpo_update_s"] * peak / flops)
+    products = ours_common.products_seconds(shapes, args.repeats, dtype=config.dtype)
+    if products is not None:
+      out.update(update_products_s=products, update_products_over_floor=products * peak / flops)
   if "decode_step_s" in result:
     floor = max(2 * ours_common.matmul_params(config) * rows / peak,
                 result["decode_bytes_per_step"] / out["read_bytes_s"])
     shapes = [(rows, i, o) for i, o in ours_common.matmul_kernels(config)]
-    products = ours_common.products_seconds(shapes, args.repeats, steps=args.new_tokens)
-    out.update(decode_floor_s=floor, decode_over_floor=result["decode_step_s"] / floor,
-               decode_products_s=products, decode_products_over_floor=products / floor)
+    out.update(decode_floor_s=floor, decode_over_floor=result["decode_step_s"] / floor)
+    products = ours_common.products_seconds(shapes, args.repeats, steps=args.new_tokens,
+                                            dtype=config.dtype)
+    if products is not None:
+      out.update(decode_products_s=products, decode_products_over_floor=products / floor)
   return out
 
 

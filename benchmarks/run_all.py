@@ -44,7 +44,7 @@ PEERS = (("tunix_grpo.py", []), ("tunix_grpo.py", ["--beta", "0", "--no-sampler"
          ("trl_grpo.py", []), ("hf_generate.py", []))
 # --quick: one timed call or step each and a 4k-token learner update (a smoke run only).
 ONE = ["--repeats", "1"]
-QUICK = {"ours_rl.py": ONE, "ours_mfu.py": ["--rows", "4", *ONE], "ours_memory.py": [],
+QUICK = {"ours_rl.py": ONE, "ours_mfu.py": ["--rows", "8", *ONE], "ours_memory.py": [],
          "ours_long.py": ["--seq", "4096", "--base", "1024", *ONE],
          "ours_multiturn.py": ["--long-turns", "8", "--long-buffer", "4096", *ONE],
          "ours_decode.py": ["--big", "4096", *ONE],
