@@ -186,14 +186,14 @@ def floors(config, shape: tuple[int, int], args, result: dict) -> dict:
   out = {"matmul_peak_flops": peak, "read_bytes_s": ours_common.read_bandwidth()}
   if "grpo_update_s" in result:
     tokens, scored = rows * (prompt + args.new_tokens), rows * args.new_tokens
-    flops = 6 * (ours_common.matmul_params(config, head=False) * tokens
-                 + config.hidden_size * config.vocab_size * scored)
     chunk = rows * args.chunk_size if args.chunk_size else scored
     passes = [(tokens, i, o) for i, o in ours_common.matmul_kernels(config, head=False)]
     heads = [chunk] * (scored // chunk) + ([scored % chunk] if scored % chunk else [])
     passes += [(m, config.hidden_size, config.vocab_size) for m in heads]
-    # Each kernel's forward, input gradient and weight gradient.
+    # Each kernel's forward, input gradient and weight gradient: the floor's 6 FLOPs per
+    # multiplying parameter and token.
     shapes = [s for m, i, o in passes for s in ((m, i, o), (m, o, i), (i, m, o))]
+    flops = sum(2 * m * k * n for m, k, n in shapes)
     out.update(update_floor_flops=flops, update_floor_s=flops / peak,
                grpo_update_over_floor=result["grpo_update_s"] * peak / flops)
     products = ours_common.products_seconds(shapes, args.repeats, dtype=config.dtype)

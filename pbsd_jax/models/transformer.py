@@ -781,9 +781,9 @@ class Transformer(nn.Module):
 
   def _each_layer(self, x, caches, positions, query_slots, key_mask, routes):
     """The layers one after another, over a per-layer cache (`KVCache`): layer `i` runs with
-    its slice of the scanned parameters, and its own cache arrays as they are (a leading
-    layer axis of 1 added to them was a reshape around the in-place write of
-    `cpu_kernels.write_cache`, and XLA copied the whole array on either side of it)."""
+    its slice of the scanned parameters, and its own cache arrays as they are, rank 4 (a
+    leading layer axis of 1 would be a reshape around the in-place write of
+    `cpu_kernels.write_cache`, and XLA copies the whole array on either side of one)."""
     c = self.config
     stacked = self.variables["params"]["layers"]
     keys, values, layer_routes = [], [], []
