@@ -10,8 +10,8 @@ setuptools.setup(
         "Self-Distillation (PBSD) turn-level credit."
     ),
     packages=setuptools.find_packages(include=["pbsd_jax", "pbsd_jax.*"]),
-    # C++ sources of the CPU kernels, compiled on first use (pbsd_jax.models.cpu_kernels).
-    package_data={"pbsd_jax.models": ["kernels/*.cc"]},
+    # C++ sources of the CPU kernels, compiled on first use (pbsd_jax.models.attention.cpu_kernels).
+    package_data={"pbsd_jax.models.attention": ["kernels/*.cc"]},
     python_requires=">=3.10",
     install_requires=[
         "jax>=0.6",
@@ -27,10 +27,10 @@ setuptools.setup(
         "tokenizers>=0.19",
         "bm25s>=0.2",
         "pyarrow>=14",  # parquet question files (pbsd_jax.data.records)
-        "matplotlib>=3.7",  # report plots (pbsd_jax.report)
+        "matplotlib>=3.7",  # report plots (pbsd_jax.eval.report)
         "tensorboardX>=2.6",  # TensorBoard event files without importing TensorFlow
         "tqdm>=4.60",
-        "safetensors>=0.8",  # HF checkpoints (pbsd_jax.models.safetensors_io; bf16 checked on 0.8)
+        "safetensors>=0.8",  # HF checkpoints (pbsd_jax.models.hf.safetensors_io; bf16 checked on 0.8)
     ],
     extras_require={
         # pytest 9 ignores the node ids pytest-xdist 3.8 tags with their group, so

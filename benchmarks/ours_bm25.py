@@ -22,8 +22,8 @@ import bm25s
 import jax
 import numpy as np
 
-from pbsd_jax.env import sparse_bm25
-from pbsd_jax.env.sparse_bm25 import SparseBM25Index
+from pbsd_jax.agent.env import sparse_bm25
+from pbsd_jax.agent.env.sparse_bm25 import SparseBM25Index
 
 
 def corpus(num_docs: int, vocab: int, seed: int = 0) -> list[np.ndarray]:

@@ -6,7 +6,7 @@ The same decode -- `--rows` rows, each with `--filled` tokens already in its cac
 `--steps` sampled tokens per call, the state carried from call to call -- runs in a buffer of
 `--small` slots and in one of `--big` slots (the extra slots empty), as `Sampler.decode` runs
 it (on the CPU, `cpu_kernels.decode_attention` reading the filled slots in place), and once
-more in the big buffer with XLA's decode attention (`transformer.decode_attention`: blocks of
+more in the big buffer with XLA's decode attention (`attention.decode_attention`: blocks of
 `DECODE_BLOCK` slots up to the longest filled prefix, each copied out of the cache). The
 cache of the big buffer is the small one's, padded, so the runs attend to the same keys.
 Prints the step times and their ratios to the small buffer's; the last line is
@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import ours_common
-from pbsd_jax.models import cpu_kernels
-from pbsd_jax.sampling import Sampler
+from pbsd_jax.generate.sampling import Sampler
+from pbsd_jax.models.attention import cpu_kernels
 
 
 def padded(state, size: int):

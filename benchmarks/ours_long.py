@@ -6,7 +6,7 @@ one of `--base` tokens (default 2,048): every token real, the first `--prompt` t
 prompt, the rest trained on with advantages of alternating sign. Memory is XLA's account of
 the compiled program (`memory_analysis()`: arguments + outputs + temporaries); time the best
 of `--repeats` warm calls. The same loss with the whole row in one attention tile
-(`transformer.QUERY_BLOCK = KEY_BLOCK = seq`: the full score matrix, nothing skipped) is
+(`flash.QUERY_BLOCK = KEY_BLOCK = seq`: the full score matrix, nothing skipped) is
 compiled, not run, for its memory.
 """
 
@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import ours_common
-from pbsd_jax import algorithms, evidence, learner
-from pbsd_jax.algorithms import AdvantageInputs
-from pbsd_jax.models import transformer
+from pbsd_jax.models.attention import flash
+from pbsd_jax.rl import algorithms, evidence, learner
+from pbsd_jax.rl.algorithms import AdvantageInputs
 
 
 def row(config, seq: int, prompt: int) -> tuple[evidence.PolicyBatch, learner.Targets]:
@@ -74,13 +74,13 @@ def main():
     result.update({f"{name}_tokens": seq, f"{name}_s": seconds,
                    f"{name}_s_per_token": seconds / seq,
                    f"{name}_bytes": compiled_bytes(fn, params, batch, targets)})
-  blocks = transformer.QUERY_BLOCK, transformer.KEY_BLOCK
-  transformer.QUERY_BLOCK = transformer.KEY_BLOCK = args.seq
+  blocks = flash.QUERY_BLOCK, flash.KEY_BLOCK
+  flash.QUERY_BLOCK = flash.KEY_BLOCK = args.seq
   try:
     result["long_one_tile_bytes"] = compiled_bytes(loss_and_grad(config, args.chunk), params,
                                                    *row(config, args.seq, args.prompt))
   finally:
-    transformer.QUERY_BLOCK, transformer.KEY_BLOCK = blocks
+    flash.QUERY_BLOCK, flash.KEY_BLOCK = blocks
   result["per_token_ratio"] = result["long_s_per_token"] / result["base_s_per_token"]
   ours_common.emit(result)
 

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 
 import ours_common
-from pbsd_jax import likelihood
 from pbsd_jax.models import ModelConfig, param_shapes
+from pbsd_jax.rl import likelihood
 
 
 def peak_bytes(config: ModelConfig, rows: int, seq: int, chunk_size: int | None) -> dict:

@@ -30,7 +30,8 @@ from jax import monitoring  # noqa: E402
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
 
-from pbsd_jax import cli, run_config, sharding, task as task_lib, train  # noqa: E402
+from pbsd_jax.run import cli, run_config, task as task_lib, train  # noqa: E402
+from pbsd_jax.parallel import sharding
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 compiles = [0]

@@ -24,10 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import ours_common
-from pbsd_jax import algorithms, evidence, learner, train_state
-from pbsd_jax.algorithms import AdvantageInputs
 from pbsd_jax.models import ModelConfig, init_params
 from pbsd_jax.models.sizes import SIZES
+from pbsd_jax.rl import algorithms, evidence, learner, train_state
+from pbsd_jax.rl.algorithms import AdvantageInputs
 
 LARGER = dict(vocab_size=32_768, hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=4,
               head_dim=64, mlp_dim=2048, tie_embeddings=False, rope_theta=1e6)

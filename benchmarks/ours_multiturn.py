@@ -28,10 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 
 import ours_common
-from pbsd_jax.env.agent_env import AgentEnv
-from pbsd_jax.env.bm25 import BM25Index
-from pbsd_jax.rollout import ingraph_rollout
-from pbsd_jax.sampling import Sampler
+from pbsd_jax.agent.env.agent_env import AgentEnv
+from pbsd_jax.agent.env.bm25 import BM25Index
+from pbsd_jax.agent.rollout import ingraph_rollout
+from pbsd_jax.generate.sampling import Sampler
 
 # Synthetic protocol ids below the prompts' range [10, V): tags, EOS, the notice.
 TAGS = dict(search_open=1, search_close=2, answer_open=3, answer_close=4, info_open=5,

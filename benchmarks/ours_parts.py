@@ -25,9 +25,11 @@ import numpy as np
 
 import ours_common
 import ours_rl
-from pbsd_jax import algorithms, evidence, learner, sampling, train_state
-from pbsd_jax.models import cpu_kernels, transformer
-from pbsd_jax.sampling import Sampler
+from pbsd_jax.generate import sampling
+from pbsd_jax.generate.sampling import Sampler
+from pbsd_jax.models import transformer
+from pbsd_jax.models.attention import cpu_kernels
+from pbsd_jax.rl import algorithms, evidence, learner, train_state
 
 
 @contextlib.contextmanager

@@ -1,6 +1,6 @@
 """Our sampler and our single-turn GRPO and PBSD steps on the reference shape.
 
-One RL step is one `jax.jit` program, as `pbsd_jax.train.make_rl_iteration` builds it: rollout
+One RL step is one `jax.jit` program, as `pbsd_jax.run.train.make_rl_iteration` builds it: rollout
 (prefill + `lax.while_loop` decode of exactly `--new-tokens` tokens, temperature 1, no stop)
 -> reward -> evidence (`evidence.policy_batch`; with one update per batch the student
 log-probs are the update's own forward, so this is PBSD's teacher pass and nothing for GRPO)
@@ -33,9 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 
 import ours_common
-from pbsd_jax import algorithms, evidence, learner, train_state
-from pbsd_jax.rollout import Rollout
-from pbsd_jax.sampling import Sampler
+from pbsd_jax.agent.rollout import Rollout
+from pbsd_jax.generate.sampling import Sampler
+from pbsd_jax.rl import algorithms, evidence, learner, train_state
 
 
 def even_majority_reward(tokens: jax.Array, sampled: jax.Array) -> jax.Array:

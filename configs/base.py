@@ -1,8 +1,8 @@
-"""Base run configuration: the paper's defaults (DESIGN.md §2) on the embedded task.
+"""Base run configuration: the paper's defaults (docs/design.md §2) on the embedded task.
 
 Load with `config_flags.DEFINE_config_file('config')` and override from the command line, e.g.
 `--config=configs/pbsd.py --config.pbsd.delta=0.2 --config.rl.steps=50`.
-`pbsd_jax.run_config.validate` checks a config at start-up and names the field it rejects.
+`pbsd_jax.run.run_config.validate` checks a config at start-up and names the field it rejects.
 The algorithm sections take their defaults from the algorithms themselves
 (`run_config.algorithm_sections`); optional algorithm values use 0 for "off" (`grpo.dual_clip`,
 `grpo.norm_len`, `grpo.overlong_max_len`) so every field has a type the command line can parse.
@@ -10,8 +10,8 @@ The algorithm sections take their defaults from the algorithms themselves
 
 import ml_collections
 
-from pbsd_jax import run_config
 from pbsd_jax.data import oracle, splits, world
+from pbsd_jax.run import run_config
 
 
 def get_config() -> ml_collections.ConfigDict:
@@ -98,7 +98,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.checkpoint = ml_collections.ConfigDict(dict(save_interval_steps=10, max_to_keep=3,
                                                 async_save=True))
 
-  # Algorithm hyperparameters (DESIGN.md §2 defaults, from pbsd_jax.algorithms): `grpo` is
+  # Algorithm hyperparameters (docs/design.md §2 defaults, from pbsd_jax.rl.algorithms): `grpo` is
   # shared by every algorithm; each other section holds its own.
   for name, section in run_config.algorithm_sections().items():
     c[name] = ml_collections.ConfigDict(section)

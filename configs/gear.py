@@ -1,4 +1,4 @@
-"""GEAR on the embedded task with the paper's hyperparameters (DESIGN.md §2)."""
+"""GEAR on the embedded task with the paper's hyperparameters (docs/design.md §2)."""
 
 import os
 import sys

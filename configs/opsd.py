@@ -1,4 +1,4 @@
-"""OPSD on the embedded task with the paper's hyperparameters (DESIGN.md §2)."""
+"""OPSD on the embedded task with the paper's hyperparameters (docs/design.md §2)."""
 
 import os
 import sys

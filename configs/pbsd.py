@@ -1,4 +1,4 @@
-"""PBSD on the embedded task with the paper's hyperparameters (DESIGN.md §2)."""
+"""PBSD on the embedded task with the paper's hyperparameters (docs/design.md §2)."""
 
 import os
 import sys

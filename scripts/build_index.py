@@ -1,6 +1,6 @@
 """Builds a BM25 index of a corpus and saves it: the host `bm25s` index, for
 `env.retriever=bm25s` (`config.env.index_dir`) or `scripts/serve_retriever.py --index_dir`; or,
-with `--tokenizer`, the sparse in-graph index (`pbsd_jax.env.sparse_bm25`) over the policy's
+with `--tokenizer`, the sparse in-graph index (`pbsd_jax.agent.env.sparse_bm25`) over the policy's
 token ids, for `env.retriever=ingraph` (or `host`) with `config.env.index_dir` and the same
 `config.data.corpus`.
 
@@ -32,7 +32,7 @@ _SHARDS = flags.DEFINE_integer("shards", 1, "Document shards of the in-graph ind
 
 def main(argv):
   del argv
-  from pbsd_jax.env.host_bm25 import HostBM25Retriever, read_corpus
+  from pbsd_jax.agent.env.host_bm25 import HostBM25Retriever, read_corpus
   try:
     if _TOKENIZER.value is None:
       retriever = HostBM25Retriever.from_jsonl(_CORPUS.value, k1=_K1.value, b=_B.value,
@@ -40,9 +40,9 @@ def main(argv):
       retriever.save(_OUT.value)
       print(f"indexed {len(retriever.ids)} documents into {_OUT.value}")
       return
-    from pbsd_jax import vocab as vocab_lib
-    from pbsd_jax.env.sparse_bm25 import INDEX_FILE
-    from pbsd_jax.env.token_retriever import build_index
+    from pbsd_jax.agent.env.sparse_bm25 import INDEX_FILE
+    from pbsd_jax.agent.env.token_retriever import build_index
+    from pbsd_jax.data import vocab as vocab_lib
     path = _TOKENIZER.value
     vocab = (vocab_lib.sentencepiece_vocabulary(path) if path.endswith(".model")
              else vocab_lib.model_vocabulary(path))

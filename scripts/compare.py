@@ -19,7 +19,7 @@ re-running skips finished runs and evaluations (a split added later is evaluated
 `--results` (default `docs/results.md`) gets the tables and its PNGs go beside
 it: accuracy (mean and spread over seeds), the difference of each method from GRPO paired by
 seed with a bootstrap interval over questions, accuracy against step, the dynamics of PBSD
-and GRPO, pass@k, and the credit AUCs (`pbsd_jax.credit_quality`). `--ablations` adds the
+and GRPO, pass@k, and the credit AUCs (`pbsd_jax.rl.credit_quality`). `--ablations` adds the
 paper's Table 3 as PBSD variants (`ABLATIONS`: delta, the deadband, the turn reduction, and on
 an MoE model replayed routing), each in its own `<variant>_seed<s>` runs, tabulated against
 PBSD; `all` is every variant the model can run. Every run's config is checked before the SFT
@@ -38,7 +38,7 @@ import time
 from absl import flags
 from absl import logging
 
-from pbsd_jax import cli
+from pbsd_jax.run import cli
 
 _CONFIG = cli.define_config(
     os.path.join(os.path.dirname(__file__), "..", "configs", "demo.py"))
@@ -93,9 +93,10 @@ def main(argv):
   import jax
   import tqdm
 
-  from pbsd_jax import evaluate, policy_checkpoint, run_config, task as task_lib, train
-  from pbsd_jax import workdir as workdir_lib
-  from pbsd_jax.metric_log import MetricLog
+  from pbsd_jax.eval import evaluate
+  from pbsd_jax.eval.metric_log import MetricLog
+  from pbsd_jax.run import (policy_checkpoint, run_config, task as task_lib, train,
+                            workdir as workdir_lib)
 
   start = time.time()
   config, workdir = _CONFIG.value, _WORKDIR.value
@@ -184,8 +185,10 @@ def ood_tiers(path, pool, config, task, model, params):
   and read back from `path` after."""
   import tqdm
 
-  from pbsd_jax import evaluate, jsonl, run_config
+  from pbsd_jax.data import jsonl
   from pbsd_jax.data.records import read_records
+  from pbsd_jax.eval import evaluate
+  from pbsd_jax.run import run_config
 
   if os.path.exists(path):
     return read_records(path)
@@ -211,7 +214,7 @@ def write_results(path, evals, runs, methods, config, minutes, ablations=()):
   import jax
   import numpy as np
 
-  from pbsd_jax import results
+  from pbsd_jax.eval import results
 
   out_dir = os.path.dirname(os.path.abspath(path))
   stem = os.path.splitext(os.path.basename(path))[0]

@@ -26,10 +26,11 @@ from absl import app, flags
 import jax
 import orbax.checkpoint as ocp
 
-from pbsd_jax import policy_checkpoint
-from pbsd_jax.models import hf, hf_config, safetensors_io
+from pbsd_jax.models import hf
 from pbsd_jax.models.config import ModelConfig
+from pbsd_jax.models.hf import config as hf_config, safetensors_io
 from pbsd_jax.models.transformer import param_shapes
+from pbsd_jax.run import policy_checkpoint
 
 MODEL_CONFIG_FILE = policy_checkpoint.MODEL_CONFIG_FILE
 PARAMS_DIR = policy_checkpoint.PARAMS_DIR

@@ -17,7 +17,7 @@ import time
 from absl import flags
 from absl import logging
 
-from pbsd_jax import cli
+from pbsd_jax.run import cli
 
 _CONFIG = cli.define_config(
     os.path.join(os.path.dirname(__file__), "..", "configs", "demo.py"))
@@ -32,9 +32,10 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)
   import tqdm
 
-  from pbsd_jax import policy_checkpoint, report, results, run_config, task as task_lib, train
-  from pbsd_jax import workdir as workdir_lib
-  from pbsd_jax.metric_log import MetricLog
+  from pbsd_jax.eval import report, results
+  from pbsd_jax.eval.metric_log import MetricLog
+  from pbsd_jax.run import (policy_checkpoint, run_config, task as task_lib, train,
+                            workdir as workdir_lib)
 
   start = time.time()
   config, workdir = _CONFIG.value, _WORKDIR.value
@@ -103,7 +104,9 @@ def _credit_page(config, model, algo, task, run_dir):
   """An `rl_stage` step hook: two groups of the last step's rollout with mixed outcomes, each
   turn coloured by its evidence (post-update params) and labelled by the gold chain, written
   to `<run_dir>/credit.html` for algorithms with evidence."""
-  from pbsd_jax import likelihood, privileged, report
+  from pbsd_jax.agent import privileged
+  from pbsd_jax.eval import report
+  from pbsd_jax.rl import likelihood
 
   def on_step(step, state, rollout, batch):
     if step != config.rl.steps or "logp_teacher" not in algo.needs:

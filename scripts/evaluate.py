@@ -22,7 +22,7 @@ import os
 from absl import flags
 from absl import logging
 
-from pbsd_jax import cli
+from pbsd_jax.run import cli
 
 _CONFIG = cli.define_config("configs/pbsd.py", "Run configuration (data, environment, eval).")
 _CKPT_DIR = flags.DEFINE_string("ckpt_dir", None, "Checkpoint directory to evaluate.",
@@ -51,8 +51,9 @@ def main(argv):
   import jax
   import tqdm
 
-  from pbsd_jax import evaluate, run_config, task as task_lib
-  from pbsd_jax.env import protocol
+  from pbsd_jax import protocol
+  from pbsd_jax.eval import evaluate
+  from pbsd_jax.run import run_config, task as task_lib
 
   logging.set_verbosity(logging.WARNING)
   config = _CONFIG.value

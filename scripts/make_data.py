@@ -8,10 +8,7 @@ SentencePiece vocabulary) to a directory.
 from absl import app
 from absl import flags
 
-from pbsd_jax.data import build
-from pbsd_jax.data import oracle
-from pbsd_jax.data import splits
-from pbsd_jax.data import world
+from pbsd_jax.data import build, oracle, splits, world
 
 _OUT = flags.DEFINE_string("out", None, "Output directory.", required=True)
 _SEED = flags.DEFINE_integer("seed", 0, "The seed everything derives from.")

@@ -18,10 +18,10 @@ import sys
 
 from absl import app, flags, logging
 
-from pbsd_jax.env import protocol
-from pbsd_jax.env.host_bm25 import HostBM25Retriever, read_corpus
-from pbsd_jax.env.http import RetrievalServer
-from pbsd_jax.env.token_retriever import TokenBM25Retriever
+from pbsd_jax import protocol
+from pbsd_jax.agent.env.host_bm25 import HostBM25Retriever, read_corpus
+from pbsd_jax.agent.env.http import RetrievalServer
+from pbsd_jax.agent.env.token_retriever import TokenBM25Retriever
 
 _BACKEND = flags.DEFINE_enum("backend", "bm25s", ["bm25s", "token"], "Which index to serve.")
 _CORPUS = flags.DEFINE_string("corpus", None, "Corpus JSONL with 'id' and 'contents' fields.")

@@ -6,7 +6,7 @@ r"""Difficulty tiers by a checkpoint's solve rate, and a balanced subset (the pa
 Every question is sampled `--samples` times (`--sampling`: as the agent trains,
 `config.rollout`, as the paper ran its agent five times; or the top-p evaluation setting,
 `config.eval`); a question solved in all samples is Easy, in none Hard, otherwise
-Medium (`pbsd_jax.evaluate.stratify`). `--per_tier` questions per tier are drawn with
+Medium (`pbsd_jax.eval.evaluate.stratify`). `--per_tier` questions per tier are drawn with
 `--seed` and written as JSONL -- each record as it was, with `tier` set (its generator kind kept
 as `kind`) and `solve_count` / `samples` added -- ready for `scripts/evaluate.py --splits=<out>`
 and `scripts/compare.py --ood=<out>` (`evaluate.stratified_subset`). The embedded task's pool
@@ -21,7 +21,7 @@ from absl import app
 from absl import flags
 from absl import logging
 
-from pbsd_jax import cli
+from pbsd_jax.run import cli
 
 _CONFIG = cli.define_config("configs/pbsd.py", "Run configuration (data, environment, eval).")
 _CKPT_DIR = flags.DEFINE_string("ckpt_dir", None, "Checkpoint directory of the policy.",
@@ -46,8 +46,10 @@ def main(argv):
   del argv
   import tqdm
 
-  from pbsd_jax import evaluate, jsonl, run_config, task as task_lib
-  from pbsd_jax.env import protocol
+  from pbsd_jax import protocol
+  from pbsd_jax.data import jsonl
+  from pbsd_jax.eval import evaluate
+  from pbsd_jax.run import run_config, task as task_lib
 
   logging.set_verbosity(logging.WARNING)
   config = _CONFIG.value

@@ -5,14 +5,13 @@
 
 Re-running the same command resumes from the last checkpoint of the unfinished stage.
 Multi-host: the same command on every host, with `--coordinator_address=HOST0:PORT
---num_processes=N --process_id=I` (or nothing on a TPU pod / in a SLURM job); README.md,
-"Running on a TPU pod / GPU cluster".
+--num_processes=N --process_id=I` (or nothing on a TPU pod / in a SLURM job); docs/cluster.md.
 """
 
 from absl import flags
 from absl import logging
 
-from pbsd_jax import cli
+from pbsd_jax.run import cli
 
 _CONFIG = cli.define_config("configs/pbsd.py")
 _WORKDIR = flags.DEFINE_string("workdir", "workdir/run", "Checkpoints, metrics, data.")
@@ -28,9 +27,9 @@ def main(argv):
   import jax
   import tqdm
 
-  from pbsd_jax import policy_checkpoint, run_config, task as task_lib, train
-  from pbsd_jax import workdir as workdir_lib
-  from pbsd_jax.metric_log import MetricLog
+  from pbsd_jax.eval.metric_log import MetricLog
+  from pbsd_jax.run import (policy_checkpoint, run_config, task as task_lib, train,
+                            workdir as workdir_lib)
 
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it renames at INFO
   config = _CONFIG.value

@@ -43,10 +43,10 @@ class KnowledgeGraph:
 
 @pytest.fixture(scope="session")
 def kg(tmp_path_factory):
-  from pbsd_jax import vocab as vocab_lib
+  from pbsd_jax.agent.env.token_retriever import TokenBM25Retriever
+  from pbsd_jax.data import vocab as vocab_lib
   from pbsd_jax.data.build import make_dataset
   from pbsd_jax.data.world import load_world
-  from pbsd_jax.env.token_retriever import TokenBM25Retriever
 
   paths = make_dataset(str(tmp_path_factory.mktemp("kg")))
   vocab = vocab_lib.sentencepiece_vocabulary(paths["spm_model"])

@@ -29,18 +29,18 @@ def make_config():
 
 
 def make_tx():
-  from pbsd_jax import train_state
+  from pbsd_jax.rl import train_state
   return train_state.make_optimizer(lr=1e-3, warmup_steps=2, weight_decay=0.1, grad_clip=1.0)
 
 
 def make_algo():
-  from pbsd_jax import algorithms
+  from pbsd_jax.rl import algorithms
   # A wide delta and a zero deadband, so the tiny model's evidence visibly shapes credit.
   return algorithms.get("pbsd", group_size=GROUP_SIZE, delta=0.05, eps_pos=0.0, eps_neg=0.0)
 
 
 def make_plan():
-  from pbsd_jax import learner
+  from pbsd_jax.rl import learner
   return learner.UpdatePlan(epochs=2, minibatches=2, micro_batch_size=4, chunk_size=8)
 
 
@@ -54,7 +54,7 @@ def make_rollout(seed: int, batch: int = BATCH):
   Returns:
     `(rollout, teacher_prompt i32[B, P], teacher_prompt_mask bool[B, P])`.
   """
-  from pbsd_jax.rollout import Rollout
+  from pbsd_jax.agent.rollout import Rollout
   rs = np.random.RandomState(seed)
   tokens = rs.randint(1, 64, size=(batch, LENGTH)).astype(np.int32)
   action = np.zeros((batch, LENGTH), bool)
@@ -107,7 +107,7 @@ def initial_params():
 def initial_state(tx, shardings=None):
   """The train state every run of the problem starts from (seeded)."""
   import jax
-  from pbsd_jax import train_state
+  from pbsd_jax.rl import train_state
   params = _initial_params_host() if shardings is not None else initial_params()
   return train_state.init_train_state(params, tx, jax.random.key(1), shardings)
 
@@ -115,7 +115,7 @@ def initial_state(tx, shardings=None):
 @functools.lru_cache(maxsize=None)
 def reference_step():
   """`(tx, jitted single-device rl step)` of the problem; one compile per process."""
-  from pbsd_jax import learner
+  from pbsd_jax.rl import learner
   tx = make_tx()
   return tx, learner.make_rl_step(make_config(), tx, make_algo(), MAX_TURNS, make_plan())
 
@@ -144,7 +144,8 @@ def _main(process_id: int, num_processes: int, port: int, out: str):
                              num_processes=num_processes, process_id=process_id)
   from jax.experimental import multihost_utils
 
-  from pbsd_jax import learner, sharding, train_state
+  from pbsd_jax.parallel import sharding
+  from pbsd_jax.rl import learner, train_state
 
   mesh = sharding.make_mesh(2, 2, 2)
   config, tx = make_config(), make_tx()

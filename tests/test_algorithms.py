@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pbsd_jax import algorithms
-from pbsd_jax.algorithms import AdvantageInputs
-from pbsd_jax.likelihood import dual_logprobs, token_logprobs
 from pbsd_jax.models import ModelConfig, init_params
+from pbsd_jax.rl import algorithms
+from pbsd_jax.rl.algorithms import AdvantageInputs
+from pbsd_jax.rl.likelihood import dual_logprobs, token_logprobs
 
 
 def inputs(rewards, action_mask, turn_ids=None, max_turns=2, **optional):

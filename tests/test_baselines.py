@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pbsd_jax import algorithms
-from pbsd_jax.algorithms import AdvantageInputs
-from pbsd_jax.likelihood import generalized_jsd, token_divergence
 from pbsd_jax.models import ModelConfig, Transformer, init_params
+from pbsd_jax.rl import algorithms
+from pbsd_jax.rl.algorithms import AdvantageInputs
+from pbsd_jax.rl.likelihood import generalized_jsd, token_divergence
 
 
 def log_softmax(x):

@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pbsd_jax.env import protocol
-from pbsd_jax.env.bm25 import BM25Index
-from pbsd_jax.env.sparse_bm25 import SparseBM25Index
-from pbsd_jax.env.token_retriever import TokenBM25Retriever
+from pbsd_jax import protocol
+from pbsd_jax.agent.env.bm25 import BM25Index
+from pbsd_jax.agent.env.sparse_bm25 import SparseBM25Index
+from pbsd_jax.agent.env.token_retriever import TokenBM25Retriever
 
 DOCS = [[1, 2, 3, 3], [2, 4], [5, 5, 5, 1], [2, 2], [7]]
 
@@ -239,7 +239,7 @@ def _docstrings():
 
 
 def test_sharded_sparse_index_ranks_real_text_as_bm25s_lucene():
-  from pbsd_jax import sharding
+  from pbsd_jax.parallel import sharding
   texts = _docstrings()
   vocab = {}
   encode = lambda text: [vocab.setdefault(w, len(vocab)) for w in re.findall(r"\w+",

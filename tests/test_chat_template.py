@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from pbsd_jax.models import chat_template
+from pbsd_jax.models.hf import chat_template
 
 try:
   import hf_fixtures  # needs torch + transformers
@@ -40,7 +40,7 @@ def test_chat_template_renders_like_transformers(tmp_path):
 @requires_torch
 def test_chat_prompt_encodes_like_transformers_through_the_seqio_vocabulary(tmp_path):
   import transformers
-  from pbsd_jax.vocab import HfTokenizerVocabulary  # imports TensorFlow (seqio)
+  from pbsd_jax.data.vocab import HfTokenizerVocabulary  # imports TensorFlow (seqio)
   hf_fixtures.write_chatml_tokenizer(str(tmp_path))
   messages = [{"role": "user", "content": "Who founded the city of Varnhollow?"},
               {"role": "assistant", "content": "<search> Varnhollow founder </search>"}]

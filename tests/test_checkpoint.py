@@ -12,8 +12,9 @@ import optax
 import pytest
 
 import multiprocess_worker as mw
-from pbsd_jax import sharding, train_state
-from pbsd_jax.checkpoint import Checkpointer, ConfigMismatchError, PreemptionGuard, checksums
+from pbsd_jax.parallel import sharding
+from pbsd_jax.rl import train_state
+from pbsd_jax.run.checkpoint import Checkpointer, ConfigMismatchError, PreemptionGuard, checksums
 
 DATA_STATE = {"epoch": 1, "position": 17, "seed": 3, "split": "train"}
 

@@ -151,8 +151,8 @@ def test_results_without_runs_makes_a_comparison_and_reports_its_failure_in_one_
 
 
 def test_load_config_names_an_unknown_field_and_a_bad_value():
-  from pbsd_jax import notebook
-  from pbsd_jax.run_config import ConfigError
+  from pbsd_jax.run import notebook
+  from pbsd_jax.run.run_config import ConfigError
   config = notebook.load_config("demo", {"sft.steps": 70, "pbsd.delta": 0.5})
   assert (config.sft.steps, config.pbsd.delta, config.algorithm) == (70, 0.5, "pbsd")
   with pytest.raises(notebook.NotebookError, match=r"config\.sft\.stpes: .*config\.sft\.steps"):

@@ -1,4 +1,4 @@
-"""scripts/compare.py and its statistics (pbsd_jax.results)."""
+"""scripts/compare.py and its statistics (pbsd_jax.eval.results)."""
 
 import json
 import os
@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from pbsd_jax import results
+from pbsd_jax.eval import results
 from test_colabs import execute_notebook
 from test_train import ROOT, SMALL
 

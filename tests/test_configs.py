@@ -9,10 +9,10 @@ import pytest
 from absl import flags
 from ml_collections import config_flags
 
-from pbsd_jax import algorithms
-from pbsd_jax import run_config as train
 from pbsd_jax.models import ModelConfig
 from pbsd_jax.models.sizes import SIZES
+from pbsd_jax.rl import algorithms
+from pbsd_jax.run import run_config as train
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "..", "configs")
 
@@ -132,7 +132,7 @@ def test_http_retriever_settings_fail_at_start_up(override, field):
 
 
 def test_a_mistyped_field_is_named_with_the_nearest_field():
-  from pbsd_jax import cli
+  from pbsd_jax.run import cli
   config = load("pbsd")
   assert "config.pbsd.delta" in cli.field_paths(config)
   assert cli.unknown_field_message(config, ["prog", "--config.pbsd.delta=0.2"]) is None
@@ -176,7 +176,7 @@ def test_the_attention_switch_reaches_the_model_config():
 
 
 def test_how_the_layers_are_computed_is_the_runs_choice_also_for_an_init_dir_model(tmp_path):
-  from pbsd_jax import policy_checkpoint
+  from pbsd_jax.run import policy_checkpoint
   saved = train.build_model_config(load("demo"), vocab_size=2048)
   policy_checkpoint.save_model_config(str(tmp_path), saved.replace(remat=True, scan_unroll=2))
   flags = (f"--config.model.init_dir={tmp_path}", "--config.model.scan_unroll=3",
@@ -195,8 +195,9 @@ def test_how_the_layers_are_computed_is_the_runs_choice_also_for_an_init_dir_mod
 
 def test_an_init_dir_model_is_read_in_the_runs_precision(tmp_path):
   import jax.numpy as jnp
-  from pbsd_jax import policy_checkpoint, sharding, train as loop
   from pbsd_jax.models import init_params
+  from pbsd_jax.parallel import sharding
+  from pbsd_jax.run import policy_checkpoint, train as loop
   saved = train.build_model_config(load("demo"), vocab_size=2048)
   params = init_params(saved, jax.random.key(0))
   policy_checkpoint.save_params(str(tmp_path), saved, params)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import sentencepiece as spm
 
+from pbsd_jax import protocol
 from pbsd_jax.data import build
-from pbsd_jax.env import protocol
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pbsd_jax import credit
+from pbsd_jax.rl import credit
 
 TANH1 = 0.7615941559557649  # tanh(1)
 TANH2 = 0.9640275800758169  # tanh(2)

@@ -7,14 +7,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pbsd_jax import algorithms, credit_quality as cq, learner, likelihood
-from pbsd_jax import privileged, train_state
-from pbsd_jax import vocab as vocab_lib
-from pbsd_jax.batch import forced_batch, gold_batch, prompt_region
-from pbsd_jax.env.agent_env import KIND_ANSWER, KIND_INVALID, KIND_SEARCH, AgentEnv
+from pbsd_jax.agent import privileged
+from pbsd_jax.agent.batch import forced_batch, gold_batch, prompt_region
+from pbsd_jax.agent.env.agent_env import AgentEnv, KIND_ANSWER, KIND_INVALID, KIND_SEARCH
+from pbsd_jax.agent.rollout import host_rollout, ingraph_rollout
+from pbsd_jax.data import vocab as vocab_lib
+from pbsd_jax.generate.sampling import Sampler
 from pbsd_jax.models import ModelConfig, init_params
-from pbsd_jax.rollout import host_rollout, ingraph_rollout
-from pbsd_jax.sampling import Sampler
+from pbsd_jax.agent import gold_chain
+from pbsd_jax.rl import algorithms, credit_quality as cq, learner, likelihood, train_state
 
 P, MAX_TURNS, ACTION = 72, 7, 40
 
@@ -50,19 +51,19 @@ def test_turn_labels_follow_the_chain_repeats_and_invalid_actions():
                    [5, -1, -1, -1, -1, -1, -1],  # the second search failed
                    [7, 8, -1, -1, -1, -1, -1]])
   gold = jnp.array([[7, 8, -1], [5, 6, -1], [-1, -1, -1]])  # row 2: no chain known
-  got = np.asarray(cq.turn_labels(kind, doc, gold))
-  U, X = cq.USEFUL, cq.UNLABELLED
-  np.testing.assert_array_equal(got, [[U, cq.OFF_CHAIN, cq.REPEAT, U, cq.INVALID, X, X],
+  got = np.asarray(gold_chain.turn_labels(kind, doc, gold))
+  U, X = gold_chain.USEFUL, gold_chain.UNLABELLED
+  np.testing.assert_array_equal(got, [[U, gold_chain.OFF_CHAIN, gold_chain.REPEAT, U, gold_chain.INVALID, X, X],
                                       [U, X, X, X, X, X, X],
                                       [X] * 7])
 
 
 def test_gold_doc_batch_takes_the_documents_that_state_each_hop():
   records = [{"chain": [3, 1, 4, 1], "hops": 3}, {"chain": [5, 9], "hops": 1}, {"question": "q"}]
-  np.testing.assert_array_equal(cq.gold_doc_batch(records, 4),
+  np.testing.assert_array_equal(gold_chain.gold_doc_batch(records, 4),
                                 [[3, 1, 4, -1], [5, -1, -1, -1], [-1, -1, -1, -1]])
   with pytest.raises(ValueError, match="record 0 has 3 chain documents"):
-    cq.gold_doc_batch(records, 2)
+    gold_chain.gold_doc_batch(records, 2)
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +92,7 @@ def _replay(kg, setup, records, actions):
                          answers=[r["golden_answers"][0] for r in records])
   forced = forced_batch(actions, kg.encode, MAX_TURNS, ACTION)
   golds = [r["golden_answers"] for r in records]
-  gold_docs = cq.gold_doc_batch(records, 5)
+  gold_docs = gold_chain.gold_doc_batch(records, 5)
   args = (Sampler(model), env, params, region["prompts"], region["prompt_mask"],
           jax.random.key(0))
   graph = ingraph_rollout(*args, kg.retriever.index, gold_batch(golds, kg.encode, 12),
@@ -116,10 +117,10 @@ def test_oracle_replay_labels_its_detours_off_chain_and_its_chain_searches_usefu
       if gold_doc is not None:
         assert docs[k] == gold_doc  # the exact name finds its document
       if gold_doc is not None and not detour:
-        assert labels[k] == cq.USEFUL, (b, k)
+        assert labels[k] == gold_chain.USEFUL, (b, k)
       elif gold_doc is not None:
-        assert labels[k] == cq.OFF_CHAIN, (b, k)
-    assert np.all(labels[n - 1:] == cq.UNLABELLED)
+        assert labels[k] == gold_chain.OFF_CHAIN, (b, k)
+    assert np.all(labels[n - 1:] == gold_chain.UNLABELLED)
 
 
 def test_an_rl_step_reports_the_auc_of_the_evidence_and_of_the_signed_credit(kg, setup):
@@ -152,7 +153,7 @@ def test_an_rl_step_reports_the_auc_of_the_evidence_and_of_the_signed_credit(kg,
   filtered = np.where((s > algo.eps_pos) | (s < -algo.eps_neg), s, 0.0)
   signed_w = sign[:, None] * (1 + algo.clip * np.tanh(sign[:, None] * filtered / algo.delta))
   labels = np.asarray(rollout.turn_label)
-  labelled, useful = labels != cq.UNLABELLED, labels == cq.USEFUL
+  labelled, useful = labels != gold_chain.UNLABELLED, labels == gold_chain.USEFUL
   assert 0 < useful[labelled].mean() < 1  # both classes
   assert float(metrics["credit/frac_useful"]) == pytest.approx(useful[labelled].mean())
   for suffix, rows in (("", np.ones_like(solved)), ("_solved", solved), ("_failed", ~solved)):

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pbsd_jax import privileged
-from pbsd_jax.likelihood import dual_logprobs, token_logprobs
+from pbsd_jax.agent import privileged
 from pbsd_jax.models import ModelConfig, Transformer, init_params
+from pbsd_jax.rl.likelihood import dual_logprobs, token_logprobs
 
 CONFIG = ModelConfig(vocab_size=256, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
                      mlp_dim=32)

@@ -7,15 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pbsd_jax import evaluate as ev
-from pbsd_jax import policy_checkpoint
-from pbsd_jax import vocab as vocab_lib
-from pbsd_jax.batch import gold_batch, prompt_region
-from pbsd_jax.env import protocol
-from pbsd_jax.env.agent_env import AgentEnv
+from pbsd_jax import protocol
+from pbsd_jax.agent.batch import gold_batch, prompt_region
+from pbsd_jax.agent.env.agent_env import AgentEnv
+from pbsd_jax.agent.rollout import ingraph_rollout
+from pbsd_jax.data import vocab as vocab_lib
+from pbsd_jax.eval import evaluate as ev
+from pbsd_jax.generate.sampling import Sampler
 from pbsd_jax.models import ModelConfig, init_params
-from pbsd_jax.rollout import ingraph_rollout
-from pbsd_jax.sampling import Sampler
+from pbsd_jax.run import policy_checkpoint
 
 P, GOLD = 56, 8
 
@@ -277,7 +277,8 @@ def test_a_prompt_too_long_for_the_width_names_its_record(kg, automaton):
 
 
 def test_restore_params_reads_the_latest_train_state_checkpoint(tmp_path):
-  from pbsd_jax import checkpoint, train_state
+  from pbsd_jax.rl import train_state
+  from pbsd_jax.run import checkpoint
   config = ModelConfig(vocab_size=16, hidden_size=8, num_layers=1, num_heads=2,
                        num_kv_heads=1, mlp_dim=8)
   tx = train_state.make_optimizer(1e-3)
@@ -330,8 +331,8 @@ def test_scripts_end_at_start_up_with_one_line_naming_a_missing_checkpoint(scrip
 
 
 def test_credit_summary_pools_labelled_turns_over_trajectories():
-  from pbsd_jax import credit_quality as cq
-  U, O, R, X = cq.USEFUL, cq.OFF_CHAIN, cq.REPEAT, cq.UNLABELLED
+  from pbsd_jax.agent import gold_chain
+  U, O, R, X = gold_chain.USEFUL, gold_chain.OFF_CHAIN, gold_chain.REPEAT, gold_chain.UNLABELLED
   labels = np.array([[U, O, X], [U, R, X], [O, X, X]])
   evidence = np.array([[0.5, -0.2, 9.0], [0.1, 0.3, 9.0], [-0.4, 9.0, 9.0]], np.float32)
   got = ev.credit_summary(labels, evidence, np.array([True, True, False]))
@@ -347,7 +348,7 @@ def test_credit_summary_pools_labelled_turns_over_trajectories():
 def test_evaluation_labels_the_searches_of_records_with_a_gold_chain(kg, automaton):
   """The automaton searches once on questions ending in '?'; a chain holding the document it
   retrieves makes that search useful, another chain makes it off-chain."""
-  from pbsd_jax import algorithms
+  from pbsd_jax.rl import algorithms
   env, config, params, records = automaton
   sampler = Sampler(config, temperature=0.0)
   plain = ev.evaluate(sampler, env, params, records, kg.encode, kg.retriever.index,

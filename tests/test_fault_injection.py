@@ -18,9 +18,9 @@ import jax
 import numpy as np
 import pytest
 
-from pbsd_jax.env.http import HttpRetriever, format_response
-from pbsd_jax.env.observations import ESCAPED_LT, format_document
-from pbsd_jax.rollout import host_rollout
+from pbsd_jax.agent.env.http import HttpRetriever, format_response
+from pbsd_jax.agent.env.observations import ESCAPED_LT, format_document
+from pbsd_jax.agent.rollout import host_rollout
 from test_rollout import _forced, _prompts, setup  # noqa: F401 (setup: a fixture)
 from test_train import OPSD, _checkpoint, _metrics, _train
 

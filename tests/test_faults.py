@@ -12,9 +12,10 @@ import jax
 import numpy as np
 import pytest
 
-from pbsd_jax import evidence, train
-from pbsd_jax.env.http import HttpRetriever, RetrievalServer
-from pbsd_jax.rollout import host_rollout
+from pbsd_jax.agent.env.http import HttpRetriever, RetrievalServer
+from pbsd_jax.agent.rollout import host_rollout
+from pbsd_jax.rl import evidence
+from pbsd_jax.run import train
 from test_rollout import _forced, _prompts, setup  # noqa: F401 (setup: a fixture)
 from test_train import SMALL, _final_params
 
@@ -61,16 +62,21 @@ def test_a_value_a_constructor_rejects_is_one_line_before_data_loading(tmp_path,
   assert not os.path.exists(tmp_path / "w")
 
 
+def _diverging_run(kg, workdir: str, *extra, timeout=300):
+  """`scripts/train.py` at a learning rate that makes every update after the first
+  non-finite."""
+  return _train(f"--config={os.path.join(ROOT, 'configs', 'pbsd.py')}", f"--workdir={workdir}",
+                f"--config.data.dir={os.path.dirname(kg.paths['spm_model'])}", *SMALL,
+                "--config.sft.steps=0", "--config.optim.lr=1e30",
+                "--config.optim.warmup_steps=0", "--config.rl.max_skipped_steps=2", *extra,
+                timeout=timeout)
+
+
 @pytest.fixture(scope="module")
 def diverging(kg, tmp_path_factory):
-  """A run whose learning rate makes every update after the first non-finite."""
+  """A diverging run of 8 RL steps, which stops at its second skipped step in a row."""
   workdir = str(tmp_path_factory.mktemp("diverging"))
-  code, lines = _train(f"--config={os.path.join(ROOT, 'configs', 'pbsd.py')}",
-                       f"--workdir={workdir}",
-                       f"--config.data.dir={os.path.dirname(kg.paths['spm_model'])}", *SMALL,
-                       "--config.sft.steps=0", "--config.rl.steps=8", "--config.optim.lr=1e30",
-                       "--config.optim.warmup_steps=0", "--config.rl.max_skipped_steps=2",
-                       timeout=300)
+  code, lines = _diverging_run(kg, workdir, "--config.rl.steps=8")
   return workdir, code, lines
 
 
@@ -86,10 +92,20 @@ def test_a_run_whose_updates_are_all_skipped_stops_in_one_line(diverging):
       "(config.rl.max_skipped_steps sets how many steps to allow)")
 
 
-def test_a_stopped_run_keeps_finite_parameters(diverging):
+def test_a_stopped_run_keeps_the_parameters_of_its_last_applied_update(kg, diverging,
+                                                                       tmp_path):
+  """The stopped run's checkpoint holds exactly the parameters of the same run stopped by its
+  step count after its last applied update (the skipped ones leave them as they were)."""
   workdir, _, _ = diverging
-  _, params = _final_params(workdir)
-  assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
+  rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
+  applied = [r["step"] for r in rows if r["stage"] == "rl" and r["skipped_updates"] == 0
+             and r["empty_updates"] == 0]
+  assert applied == [1]  # the first update is finite, every later one is not
+  code, lines = _diverging_run(kg, str(tmp_path), "--config.rl.steps=1")
+  assert code == 0, lines[-5:]
+  (_, got), (_, want) = _final_params(workdir), _final_params(str(tmp_path))
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(got))
+  jax.tree.map(np.testing.assert_array_equal, got, want)
 
 
 class _FailingRequests:

@@ -17,11 +17,12 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 from safetensors import safe_open
 
-from pbsd_jax import sharding
-from pbsd_jax.models import hf, hf_config, safetensors_io
+from pbsd_jax.generate.sampling import Sampler
+from pbsd_jax.models import hf
 from pbsd_jax.models.config import ModelConfig, RopeScaling
+from pbsd_jax.models.hf import config as hf_config, safetensors_io
 from pbsd_jax.models.transformer import param_axes, param_shapes, rope_frequencies
-from pbsd_jax.sampling import Sampler
+from pbsd_jax.parallel import sharding
 
 try:
   import hf_fixtures  # needs torch + transformers
@@ -430,7 +431,7 @@ def test_rope_frequencies_equal_transformers_at_a_real_head_dim(name):
 
 
 def test_scaled_rope_and_output_bias_survive_model_config_json(tmp_path):
-  from pbsd_jax import policy_checkpoint
+  from pbsd_jax.run import policy_checkpoint
   for config in (_OWN_CONFIGS["llama31_bias"], _OWN_CONFIGS["qwen3_yarn"]):
     path = policy_checkpoint.save_model_config(str(tmp_path), config)
     assert policy_checkpoint.load_model_config(path) == config

@@ -6,8 +6,8 @@ import re
 import numpy as np
 import pytest
 
-from pbsd_jax.env.bm25 import BM25Index
-from pbsd_jax.env.host_bm25 import HostBM25Retriever, read_corpus
+from pbsd_jax.agent.env.bm25 import BM25Index
+from pbsd_jax.agent.env.host_bm25 import HostBM25Retriever, read_corpus
 
 CONTENTS = ["Velora Quint\nVelora Quint was born in Marrow City and works for Ostrel Works.",
             "Valora Quint\nValora Quint was born in Pell Harbor.",

@@ -7,10 +7,10 @@ import urllib.request
 
 import pytest
 
-from pbsd_jax.env.host_bm25 import HostBM25Retriever
-from pbsd_jax.env.http import HttpRetriever, RetrievalServer
-from pbsd_jax.env.observations import retrieval_failure_observation
-from pbsd_jax.env.retriever import RetrievalError
+from pbsd_jax.agent.env.host_bm25 import HostBM25Retriever
+from pbsd_jax.agent.env.http import HttpRetriever, RetrievalServer
+from pbsd_jax.agent.env.observations import retrieval_failure_observation
+from pbsd_jax.agent.env.retriever import RetrievalError
 
 CONTENTS = ["Velora Quint\nVelora Quint was born in Marrow City.",
             "Valora Quint\nValora Quint works for Ostrel Works.",

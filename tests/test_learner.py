@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 
 import multiprocess_worker as mw
-from pbsd_jax import algorithms, evidence, learner, likelihood, privileged, train_state
-from pbsd_jax.algorithms import AdvantageInputs
+from pbsd_jax.agent import privileged
 from pbsd_jax.models import Transformer
+from pbsd_jax.rl import algorithms, evidence, learner, likelihood, train_state
+from pbsd_jax.rl.algorithms import AdvantageInputs
 
 
 def test_warmup_then_constant_schedule_values():

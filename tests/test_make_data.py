@@ -7,9 +7,7 @@ import sys
 
 import pytest
 
-from pbsd_jax.data import build
-from pbsd_jax.data import splits
-from pbsd_jax.data import world
+from pbsd_jax.data import build, splits, world
 
 _FILES = ("world.json", "corpus.jsonl", "rl_train.jsonl", "rl_validation.jsonl", "sft.jsonl",
           "ood.jsonl", "ood_pool.jsonl", "spm.model", "spm.vocab", "manifest.json")

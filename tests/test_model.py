@@ -9,9 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pbsd_jax.likelihood import token_logprobs
-from pbsd_jax.models import KVCache, ModelConfig, Transformer, init_params, param_axes
-from pbsd_jax.models import cpu_kernels, transformer
+from pbsd_jax.generate.sampling import Sampler
+from pbsd_jax.models import (KVCache, ModelConfig, Transformer, attention, init_params, param_axes,
+                             param_shapes, transformer)
+from pbsd_jax.models.attention import cpu_kernels, flash
+from pbsd_jax.models.attention import decode as decode_lib
+from pbsd_jax.models.sizes import SIZES
+from pbsd_jax.rl.likelihood import token_logprobs
 
 DENSE = ModelConfig(vocab_size=61, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                     mlp_dim=48, qkv_bias=True)
@@ -78,7 +82,7 @@ def test_decode_reads_only_the_filled_blocks_and_equals_the_full_forward(size, k
   kernel, rows filled to different lengths: the logits equal the full forward's, and the
   blocks past the longest filled prefix are never read (they hold NaN here, which any read
   would spread)."""
-  monkeypatch.setattr(transformer, "DECODE_BLOCK", 4)
+  monkeypatch.setattr(decode_lib, "DECODE_BLOCK", 4)
   if not kernel:
     monkeypatch.setattr(cpu_kernels, "decode_attention", lambda *args: None)
   # A function of its own, so that no cached trace of `_forward` (with blocks of 256) is used.
@@ -103,7 +107,7 @@ def test_decode_reads_only_the_filled_blocks_and_equals_the_full_forward(size, k
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_the_cpu_decode_attention_kernel_equals_the_xla_decode_attention(dtype):
-  """`cpu_kernels.decode_attention` against `transformer.decode_attention`: a stacked cache
+  """`cpu_kernels.decode_attention` against `attention.decode_attention`: a stacked cache
   read at layer 1 of 2, 700 slots (XLA's blocks of 234 overlap at the end; the kernel's 256
   do not divide it), rows ending mid-block, at a block's first slot, at slot 0 and at the
   last, holes in the mask, a row whose scores spread over hundreds and one whose scores all
@@ -123,7 +127,7 @@ def test_the_cpu_decode_attention_kernel_equals_the_xla_decode_attention(dtype):
   query[5] *= 60.0
   args = (jnp.asarray(query), keys, values, 1, jnp.asarray(mask), last)
   got = jax.jit(cpu_kernels.decode_attention)(*args)
-  want = jax.jit(transformer.decode_attention)(*args)
+  want = jax.jit(attention.decode_attention)(*args)
   # Brute force for one row: a softmax over its allowed slots.
   allowed = mask[1, :301]
   k1, v1 = np.asarray(keys[1, 1], np.float64), np.asarray(values[1, 1], np.float64)
@@ -532,7 +536,7 @@ def _reference_attention(q, keys, values, query_slots, key_mask):
 
 def _tiled(q, keys, values, query_slots, key_mask, q_block, k_block):
   """`tiled_attention` of keys/values `[B, kvh, S, d]`, put in the cache's layout."""
-  from pbsd_jax.models.transformer import tiled_attention
+  from pbsd_jax.models.attention.flash import tiled_attention
   return tiled_attention(q, jnp.swapaxes(keys, 2, 3)[None], values[None], 0, query_slots,
                          key_mask, q_block, k_block)
 
@@ -584,7 +588,7 @@ def test_tiled_attention_skips_the_causal_future_and_padding():
   """The tiles it computes are exactly those holding a real key at or before a real query of
   some row (brute force over every query-key pair), and the skipped ones are never read:
   NaN in the keys and values of the unfilled end of the buffer does not reach the output."""
-  from pbsd_jax.models.transformer import needed_tiles
+  from pbsd_jax.models.attention.flash import needed_tiles
   b, t, size = 2, 12, 16
   query_slots = jnp.broadcast_to(jnp.arange(t), (b, t))
   key_mask = (jnp.arange(size)[None] < jnp.array([[9], [11]])).at[1, :5].set(False)
@@ -621,8 +625,8 @@ def test_model_in_small_tiles_equals_one_tile_in_logits_and_gradient(monkeypatch
             jax.jit(jax.grad(logp))(params))
 
   logits, grads = run()
-  monkeypatch.setattr(transformer, "QUERY_BLOCK", 3)
-  monkeypatch.setattr(transformer, "KEY_BLOCK", 4)
+  monkeypatch.setattr(flash, "QUERY_BLOCK", 3)
+  monkeypatch.setattr(flash, "KEY_BLOCK", 4)
   small_logits, small_grads = run()
   real = np.asarray(mask)
   np.testing.assert_allclose(small_logits[real], logits[real], rtol=1e-5, atol=1e-5)
@@ -664,10 +668,40 @@ def test_the_attention_switch_gives_our_logits_gradients_and_prefill(config, ker
   for key, value in logits.items():
     for a, b in zip(value, logits["ours", False]):
       np.testing.assert_allclose(a[:, -1], b[:, -1], atol=2e-5, rtol=0, err_msg=str(key))
-  prefill_trace = str(jax.make_jaxpr(lambda p: prefill(library, p, True).logits)(params))
-  assert ("pallas_call" in prefill_trace) == (kernel == "splash")
+  # For a TPU both kernels take the splash kernel into an empty cache, and neither over a
+  # filled one (the whole buffer: XLA's attention).
+  for empty in (False, True):
+    calls = _custom_calls(lambda p: prefill(library, p, empty).logits, "tpu", params)
+    assert calls == ({"tpu_custom_call"} if empty else set()), (empty, calls)
   assert np.abs(np.asarray(ours.logits[mask])).max() > 0.1  # the checked logits are not ~0
-  trace = lambda c: str(jax.make_jaxpr(lambda p: Transformer(c).apply(
-      {"params": p}, tokens, mask).logits)(params))
-  assert trace(library) != trace(config)  # the switch runs another program
-  assert ("pallas_call" in trace(library)) == (kernel == "splash")
+  lowered = lambda c: jax.jit(lambda p: Transformer(c).apply(
+      {"params": p}, tokens, mask).logits).lower(params).as_text()
+  assert lowered(library) != lowered(config)  # the switch runs another program on this CPU
+
+
+def _custom_calls(f, platform: str, *args) -> set[str]:
+  """The custom-call targets of `f` lowered for `platform` (no device of it needed)."""
+  text = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+  return set(re.findall(r"custom_call @(\w+)", text))
+
+
+@pytest.mark.parametrize("attention", ["ours", "splash", "dot_product"])
+def test_kernels_follow_the_platform_a_program_is_lowered_for(attention):
+  """The same traced sampling and training programs, lowered from this CPU host: for the CPU
+  they call the CPU kernels (the cache write and decode attention), for a TPU none of them;
+  with `splash` or `dot_product` the TPU program holds the Mosaic kernel (splash) and the CPU
+  program interprets it or runs XLA's attention."""
+  assert cpu_kernels.load() is not None, "the kernels did not build on this machine"
+  model = ModelConfig(**SIZES["micro"], vocab_size=64, attention=attention, dtype="bfloat16")
+  params = param_shapes(model)
+  tokens = jax.ShapeDtypeStruct((2, 8), jnp.int32)
+  mask = jax.ShapeDtypeStruct((2, 8), jnp.bool_)
+  sample = lambda p, t, m: Sampler(model).generate(p, t, m, jax.random.key(0), 4)[0].tokens
+  grad = jax.grad(lambda p, t, m: jnp.mean(
+      Transformer(model).apply({"params": p}, t, m).logits.astype(jnp.float32)))
+  cpu = {"PbsdWriteCacheBF16", "PbsdDecodeAttentionBF16"}
+  mosaic = {"tpu_custom_call"} if attention != "ours" else set()
+  assert _custom_calls(sample, "cpu", params, tokens, mask) == cpu
+  assert _custom_calls(sample, "tpu", params, tokens, mask) == mosaic
+  assert _custom_calls(grad, "cpu", params, tokens, mask) == set()
+  assert _custom_calls(grad, "tpu", params, tokens, mask) == mosaic

@@ -22,8 +22,10 @@ import jax
 import numpy as np
 import pytest
 
-from pbsd_jax import checkpoint, run_config, sharding, train_state
 from pbsd_jax.models import param_shapes
+from pbsd_jax.parallel import sharding
+from pbsd_jax.rl import train_state
+from pbsd_jax.run import checkpoint, run_config
 from test_configs import load
 from test_train import OPSD, ROOT, SMALL, _checkpoint, _metrics, _train
 
@@ -188,7 +190,7 @@ jax.monitoring.register_event_listener(
 
 
 def test_no_rl_step_after_the_first_compiles_again_on_the_mesh(kg):
-  from pbsd_jax import task as task_lib, train
+  from pbsd_jax.run import task as task_lib, train
   config = load("pbsd", *SMALL)
   task = task_lib.prepare_task(config, os.path.dirname(kg.paths["spm_model"]))
   # Two steps whose questions have different numbers of golden answers: a batch shaped by

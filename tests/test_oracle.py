@@ -4,12 +4,7 @@ import re
 
 import pytest
 
-from pbsd_jax.data import corpus
-from pbsd_jax.data import names
-from pbsd_jax.data import oracle
-from pbsd_jax.data import questions
-from pbsd_jax.data import splits as splits_lib
-from pbsd_jax.data import world as world_lib
+from pbsd_jax.data import corpus, names, oracle, questions, splits as splits_lib, world as world_lib
 
 _SEARCH = re.compile(r"^<think> (.+?) </think><search> (.+?) </search>$")
 _ANSWER = re.compile(r"^<think> (.+?) </think><answer> (.+?) </answer>$")

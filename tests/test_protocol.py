@@ -4,12 +4,12 @@ import hypothesis
 import pytest
 from hypothesis import strategies as st
 
-from pbsd_jax.env import protocol
-from pbsd_jax.env.actions import Action, parse_action
-from pbsd_jax.env.observations import (INVALID_ACTION_NOTICE, escape_document,
-                                       format_document, format_observation,
-                                       retrieval_failure_observation)
-from pbsd_jax.env.retriever import Document, RetrievalError
+from pbsd_jax import protocol
+from pbsd_jax.agent.env.actions import Action, parse_action
+from pbsd_jax.agent.env.observations import (INVALID_ACTION_NOTICE, escape_document,
+                                             format_document, format_observation,
+                                             retrieval_failure_observation)
+from pbsd_jax.agent.env.retriever import Document, RetrievalError
 
 # Strings built from protocol tags, their case variants and near-misses, and free text, so the
 # fuzzer produces unclosed, nested, repeated and split tags far more often than random text.

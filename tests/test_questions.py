@@ -5,9 +5,7 @@ import re
 
 import pytest
 
-from pbsd_jax.data import questions
-from pbsd_jax.data import splits as splits_lib
-from pbsd_jax.data import world as world_lib
+from pbsd_jax.data import questions, splits as splits_lib, world as world_lib
 
 
 @pytest.fixture(scope="module")

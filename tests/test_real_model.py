@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from pbsd_jax.env import protocol
+from pbsd_jax import protocol
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -88,7 +88,7 @@ def _write_tokenizer(path):
 
 
 def _normalize(text):
-  """SQuAD answer normalisation, written here independently of pbsd_jax.rewards."""
+  """SQuAD answer normalisation, written here independently of pbsd_jax.agent.env.rewards."""
   text = "".join(c for c in text.lower() if c not in set(string.punctuation))
   return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
 
@@ -221,7 +221,7 @@ def test_train_kill_resume_and_evaluate_a_converted_model_through_the_server(wor
 def _check_rollouts(workdir, steps):
   """The saved rollouts of `steps`: trained on exactly the sampled tokens, observations the
   environment's, rewards the exact match recomputed from the decoded text (some right)."""
-  from pbsd_jax import vocab as vocab_lib
+  from pbsd_jax.data import vocab as vocab_lib
   vocab = vocab_lib.model_vocabulary(os.path.join(workdir, "tokenizer"))
   assert vocab.eos_id == vocab.tokenizer.token_to_id("<|im_end|>")
   answers = {q: a for q, a, _ in QUESTIONS}
@@ -262,7 +262,7 @@ def _check_rollouts(workdir, steps):
 def _config(world, *extra):
   """configs/search_r1.py with `SMALL` and `extra` (`--config.a.b=value` strings) applied, the
   way the command line types them."""
-  from pbsd_jax import cli
+  from pbsd_jax.run import cli
   config = cli.load_config_file(os.path.join(ROOT, "configs", "search_r1.py"))
   flags = [f"--config.model.init_dir={world['ckpt']}",
            f"--config.data.train_files={world['questions']}",
@@ -286,13 +286,13 @@ def test_a_bm25s_index_serves_host_rollouts_with_multi_token_tags(world, tmp_pat
   the index's top document between the tag tokens, only the actions are trained on, and the
   reward is the exact match of the answer."""
   import jax
-  from pbsd_jax import policy_checkpoint, task as task_lib
-  from pbsd_jax.batch import forced_batch, prompt_region
-  from pbsd_jax.env.agent_env import KIND_ANSWER, KIND_SEARCH
-  from pbsd_jax.env.host_bm25 import HostBM25Retriever
-  from pbsd_jax.env.observations import format_document
-  from pbsd_jax.rollout import host_rollout
-  from pbsd_jax.sampling import Sampler
+  from pbsd_jax.agent.batch import forced_batch, prompt_region
+  from pbsd_jax.agent.env.agent_env import KIND_ANSWER, KIND_SEARCH
+  from pbsd_jax.agent.env.host_bm25 import HostBM25Retriever
+  from pbsd_jax.agent.env.observations import format_document
+  from pbsd_jax.agent.rollout import host_rollout
+  from pbsd_jax.generate.sampling import Sampler
+  from pbsd_jax.run import policy_checkpoint, task as task_lib
   index_dir = str(tmp_path / "index")
   _run([os.path.join("scripts", "build_index.py"), f"--corpus={world['corpus']}",
         f"--out={index_dir}"])
@@ -340,7 +340,7 @@ def test_a_bm25s_index_serves_host_rollouts_with_multi_token_tags(world, tmp_pat
 ])
 def test_bad_real_model_inputs_fail_in_one_line_naming_the_field(world, tmp_path, change,
                                                                  message):
-  from pbsd_jax import run_config, task as task_lib
+  from pbsd_jax.run import run_config, task as task_lib
   config = _config(world, "--config.env.timeout_s=0.5", "--config.env.max_retries=0",
                    *change(world, tmp_path))
   with pytest.raises(run_config.ConfigError, match=message):
@@ -348,7 +348,8 @@ def test_bad_real_model_inputs_fail_in_one_line_naming_the_field(world, tmp_path
 
 
 def test_a_tokenizer_larger_than_the_embedding_is_refused(world, tmp_path):
-  from pbsd_jax import policy_checkpoint, run_config, vocab as vocab_lib
+  from pbsd_jax.data import vocab as vocab_lib
+  from pbsd_jax.run import policy_checkpoint, run_config
   model = policy_checkpoint.find_model_config(world["ckpt"])
   small = tmp_path / "small"
   small.mkdir()
@@ -388,7 +389,8 @@ def _without_template(world, tmp_path):
 def test_the_model_vocabulary_reads_the_generation_config_and_sentencepiece_files(world, kg,
                                                                                  tmp_path):
   import shutil
-  from pbsd_jax import policy_checkpoint, vocab as vocab_lib
+  from pbsd_jax.data import vocab as vocab_lib
+  from pbsd_jax.run import policy_checkpoint
   assets = policy_checkpoint.tokenizer_dir(world["ckpt"])
   # The tokenizer config names <|endoftext|>, the generation config lists <|im_end|> only: an
   # instruct model ends its turn with the latter.
@@ -413,9 +415,10 @@ def test_the_model_vocabulary_reads_the_generation_config_and_sentencepiece_file
 def test_chat_prompts_put_the_privileged_block_in_the_user_message(world, tmp_path):
   """Student and teacher prompts are the chat template's rendering of the user message (the
   teacher's with the privileged block appended), each left-padded to P."""
-  from pbsd_jax import privileged, task as task_lib
-  from pbsd_jax.batch import prompt_region
-  from pbsd_jax.models import chat_template
+  from pbsd_jax.agent import privileged
+  from pbsd_jax.agent.batch import prompt_region
+  from pbsd_jax.models.hf import chat_template
+  from pbsd_jax.run import task as task_lib
   task = task_lib.prepare_task(_config(world, "--config.env.retriever=bm25s",
                                        f"--config.data.corpus={world['corpus']}"),
                                str(tmp_path))
@@ -437,7 +440,7 @@ def vocab_decode(task, ids):
 
 
 def test_user_trajectories_train_on_the_actions_only(world, tmp_path):
-  from pbsd_jax import task as task_lib
+  from pbsd_jax.run import task as task_lib
   config = _config(world, "--config.env.retriever=bm25s",
                    f"--config.data.corpus={world['corpus']}",
                    f"--config.data.sft_files={world['sft']}")

@@ -9,8 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pbsd_jax import algorithms, report
-from pbsd_jax.rollout import Rollout
+from pbsd_jax.agent.rollout import Rollout
+from pbsd_jax.eval import report
+from pbsd_jax.rl import algorithms
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -159,14 +160,14 @@ def test_credit_html_shows_each_turn_weight_and_escapes_document_text(kg, tmp_pa
 
 
 def test_credit_page_labels_turns_and_shows_each_questions_teacher_prompt_once(kg, tmp_path):
-  from pbsd_jax import credit_quality as cq
+  from pbsd_jax.agent import gold_chain
   encode = kg.encode
   row = (encode("Question: who is Foo?"),
          [(0, encode("<search> Foo </search>")), (-1, encode("<information> x </information>")),
           (1, encode("<search> Foo </search>")), (-1, encode("<information> x </information>")),
           (2, encode("<answer> Bar </answer>"))])
   rollout = _rollout([row, row], prompt_width=24, width=90)
-  rollout = rollout.replace(turn_label=jnp.asarray([[cq.USEFUL, cq.REPEAT, cq.UNLABELLED]] * 2))
+  rollout = rollout.replace(turn_label=jnp.asarray([[gold_chain.USEFUL, gold_chain.REPEAT, gold_chain.UNLABELLED]] * 2))
   teacher = np.zeros((2, 24), np.int32)
   privileged = encode("Answer: Bar. Question: who is Foo?")
   teacher[:, 24 - len(privileged):] = privileged

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from hypothesis import strategies as st
 
-from pbsd_jax.rewards import (exact_match, extract_answer, f1_score, normalize_answer,
-                              token_answer_reward, trajectory_reward)
+from pbsd_jax.agent.env.rewards import (exact_match, extract_answer, f1_score, normalize_answer,
+                                        token_answer_reward, trajectory_reward)
 
 # A word-level toy vocabulary: every piece is one token, 0 is padding.
 VOCAB = ["<pad>", "<answer>", "</answer>", "<search>", "</search>", "<information>",

@@ -5,16 +5,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pbsd_jax import vocab as vocab_lib
-from pbsd_jax.batch import forced_batch, gold_batch, prompt_region
-from pbsd_jax.env import protocol
-from pbsd_jax.env.agent_env import (KIND_ANSWER, KIND_EOS, KIND_INVALID, KIND_SEARCH, AgentEnv,
-                                    assemble_observation, classify_turn)
-from pbsd_jax.env.http import HttpRetriever, RetrievalServer
-from pbsd_jax.env.observations import format_document
+from pbsd_jax import protocol
+from pbsd_jax.agent.batch import forced_batch, gold_batch, prompt_region
+from pbsd_jax.agent.env.agent_env import (AgentEnv, KIND_ANSWER, KIND_EOS, KIND_INVALID,
+                                          KIND_SEARCH, assemble_observation, classify_turn)
+from pbsd_jax.agent.env.http import HttpRetriever, RetrievalServer
+from pbsd_jax.agent.env.observations import format_document
+from pbsd_jax.agent.rollout import host_rollout, ingraph_rollout
+from pbsd_jax.data import vocab as vocab_lib
+from pbsd_jax.generate.sampling import Sampler
 from pbsd_jax.models import ModelConfig, init_params
-from pbsd_jax.rollout import host_rollout, ingraph_rollout
-from pbsd_jax.sampling import Sampler
 
 P, MAX_TURNS, ACTION = 40, 6, 40
 FIELDS = ("tokens", "action_mask", "turn_ids", "num_turns", "length", "prompt_length",
@@ -160,7 +160,7 @@ def test_context_budget_ends_the_episode_as_truncated(kg, setup):
 
 def test_a_document_holding_an_answer_tag_does_not_change_the_reward(kg, setup):
   env, sampler, params = setup
-  from pbsd_jax.env.token_retriever import TokenBM25Retriever
+  from pbsd_jax.agent.env.token_retriever import TokenBM25Retriever
   record = kg.records("sft")[0]
   wrong = "Nowhere"
   contents = [d["contents"] for d in kg.corpus]
@@ -322,7 +322,7 @@ def _oracle_answer(kg, question, relations, start_name, first_query=None):
 
 
 def test_the_task_is_solvable_with_good_searches_and_needs_more_than_one(kg):
-  from pbsd_jax.rewards import exact_match
+  from pbsd_jax.agent.env.rewards import exact_match
   records = kg.records("rl_validation")
   oracle = [exact_match(_oracle_answer(kg, r["question"], r["relations"], r["chain_names"][0]),
                         r["golden_answers"]) for r in records]
@@ -336,8 +336,9 @@ def test_the_task_is_solvable_with_good_searches_and_needs_more_than_one(kg):
 
 
 def test_moe_rollouts_record_the_routes_that_replayed_evidence_reads(kg, setup):
-  from pbsd_jax import algorithms, evidence, likelihood, privileged
+  from pbsd_jax.agent import privileged
   from pbsd_jax.models import Transformer
+  from pbsd_jax.rl import algorithms, evidence, likelihood
   env = setup[0]
   config = ModelConfig(vocab_size=kg.vocab.vocab_size, hidden_size=32, num_layers=1,
                        num_heads=2, num_kv_heads=1, mlp_dim=64, num_experts=4,
@@ -393,8 +394,8 @@ def test_the_sparse_index_of_build_index_is_what_the_in_graph_run_searches(kg, s
   import os
   import subprocess
   import sys
-  from pbsd_jax import task as task_lib
-  from pbsd_jax.env.sparse_bm25 import SparseBM25Index
+  from pbsd_jax.agent.env.sparse_bm25 import SparseBM25Index
+  from pbsd_jax.run import task as task_lib
   from test_configs import load
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   done = subprocess.run(

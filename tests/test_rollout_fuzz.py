@@ -8,11 +8,11 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pbsd_jax.env.agent_env import AgentEnv
-from pbsd_jax.env.bm25 import BM25Index
+from pbsd_jax.agent.env.agent_env import AgentEnv
+from pbsd_jax.agent.env.bm25 import BM25Index
+from pbsd_jax.agent.rollout import ingraph_rollout
+from pbsd_jax.generate.sampling import Sampler
 from pbsd_jax.models import ModelConfig, init_params
-from pbsd_jax.rollout import ingraph_rollout
-from pbsd_jax.sampling import Sampler
 
 V, TURNS, WIDTH = 40, 3, 10
 TAGS = dict(search_open=5, search_close=6, answer_open=9, answer_close=10, info_open=7,

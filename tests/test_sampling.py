@@ -5,10 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pbsd_jax import sampling
-from pbsd_jax.likelihood import token_logprobs
-from pbsd_jax.models import ModelConfig, Transformer, cpu_kernels, init_params
-from pbsd_jax.sampling import Sampler, sample_token, stop_sequence_array
+from pbsd_jax.generate import sampling
+from pbsd_jax.generate.sampling import Sampler, sample_token, stop_sequence_array
+from pbsd_jax.models import ModelConfig, Transformer, init_params
+from pbsd_jax.models.attention import cpu_kernels
+from pbsd_jax.rl.likelihood import token_logprobs
 
 CONFIG = ModelConfig(vocab_size=40, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2,
                      mlp_dim=48)

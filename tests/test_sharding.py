@@ -14,8 +14,9 @@ import pytest
 from jax.sharding import AxisType, PartitionSpec as P
 
 import multiprocess_worker as mw
-from pbsd_jax import learner, sharding, train_state
-from pbsd_jax.models.transformer import param_axes, param_shapes
+from pbsd_jax.models.transformer import param_axes, param_shapes, param_shardings
+from pbsd_jax.parallel import sharding
+from pbsd_jax.rl import learner, train_state
 
 
 def test_make_mesh_names_axes_and_fills_the_free_size():
@@ -65,7 +66,7 @@ def test_unknown_logical_axis_is_an_error_naming_it():
 def test_param_and_optimizer_state_shardings_follow_the_rules():
   config, tx = mw.make_config(), mw.make_tx()
   mesh = sharding.make_mesh(2, 2, 2)
-  params = sharding.param_shardings(config, mesh)
+  params = param_shardings(config, mesh)
   assert params["embedding"].spec == P("tensor", "fsdp")
   assert params["lm_head"].spec == P("fsdp", "tensor")
   assert params["layers"]["mlp"]["down_kernel"].spec == P(None, "tensor", "fsdp")

@@ -15,10 +15,11 @@ import tokenizers
 from hypothesis import strategies as st
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from pbsd_jax import stop_strings, vocab as vocab_lib
-from pbsd_jax.env import protocol
+from pbsd_jax import protocol
+from pbsd_jax.data import vocab as vocab_lib
+from pbsd_jax.generate import stop_strings
+from pbsd_jax.generate.sampling import STOP_SEQUENCE, Sampler
 from pbsd_jax.models import ModelConfig, init_params
-from pbsd_jax.sampling import STOP_SEQUENCE, Sampler
 
 STOPS = (protocol.SEARCH_CLOSE, protocol.ANSWER_CLOSE)
 CORPUS = ["<search> Varnhollow founder </search>.", "<answer>Ditu Ponn</answer>\"",
@@ -211,9 +212,9 @@ def _turn_sequences(vocab):
 def test_text_turns_are_classified_as_parse_action_reads_the_decoded_text(which, bpe, metaspace):
   """`classify_text_turn` on device against `actions.parse_action` of the decoded turn: the
   kind, and the query tokens hold the parsed query (they are the tokens holding its bytes)."""
-  from pbsd_jax.env import actions, token_text
-  from pbsd_jax.env.agent_env import (KIND_ANSWER, KIND_EOS, KIND_INVALID, KIND_SEARCH,
-                                      AgentEnv)
+  from pbsd_jax.agent.env import actions, token_text
+  from pbsd_jax.agent.env.agent_env import (AgentEnv, KIND_ANSWER, KIND_EOS, KIND_INVALID,
+                                            KIND_SEARCH)
   vocab = {"bpe": bpe, "metaspace": metaspace}[which]
   env = AgentEnv.from_vocab(vocab, buffer_size=64, max_turns=1, max_action_tokens=48,
                             max_observation_tokens=40, max_query_tokens=48, top_k=1)

@@ -10,10 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 import seqio
 
-from pbsd_jax import jsonl
-from pbsd_jax.data import records
-from pbsd_jax.data import tasks
-from pbsd_jax.env import protocol
+from pbsd_jax import protocol
+from pbsd_jax.data import jsonl, records, tasks
 
 
 @pytest.fixture(scope="module")

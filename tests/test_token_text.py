@@ -11,14 +11,15 @@ import numpy as np
 import pytest
 from hypothesis import strategies as st
 
-from pbsd_jax import rewards, vocab as vocab_lib
-from pbsd_jax.batch import forced_batch, gold_text_batch, prompt_region
-from pbsd_jax.env import protocol, token_text
-from pbsd_jax.env.agent_env import KIND_ANSWER, KIND_INVALID, KIND_SEARCH, AgentEnv
-from pbsd_jax.env.token_retriever import TokenBM25Retriever
+from pbsd_jax import protocol
+from pbsd_jax.agent.batch import forced_batch, gold_text_batch, prompt_region
+from pbsd_jax.agent.env import rewards, token_text
+from pbsd_jax.agent.env.agent_env import AgentEnv, KIND_ANSWER, KIND_INVALID, KIND_SEARCH
+from pbsd_jax.agent.env.token_retriever import TokenBM25Retriever
+from pbsd_jax.agent.rollout import host_rollout, ingraph_rollout
+from pbsd_jax.data import vocab as vocab_lib
+from pbsd_jax.generate.sampling import Sampler
 from pbsd_jax.models import ModelConfig, init_params
-from pbsd_jax.rollout import host_rollout, ingraph_rollout
-from pbsd_jax.sampling import Sampler
 from test_real_model import DOCUMENTS, QUESTIONS, _contents, _write_tokenizer
 
 WORDS = ["a", "an", "the", "The", "A", "ANd", "then", "ant", "x", "Cold", "ash", "an.", "the,",

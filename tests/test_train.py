@@ -106,10 +106,11 @@ def _one_step_both_ways(kg, algorithm):
   import jax
   import jax.numpy as jnp
 
-  from pbsd_jax import learner, run_config, task as task_lib, train, train_state
+  from pbsd_jax.agent.rollout import ingraph_rollout
+  from pbsd_jax.generate.sampling import Sampler
   from pbsd_jax.models import init_params
-  from pbsd_jax.rollout import ingraph_rollout
-  from pbsd_jax.sampling import Sampler
+  from pbsd_jax.rl import learner, train_state
+  from pbsd_jax.run import run_config, task as task_lib, train
   from test_configs import load
 
   config = load(algorithm, *SMALL)
@@ -174,8 +175,8 @@ def test_opsd_with_frozen_teacher_parameters_is_one_program_too(kg):
 def test_a_converted_checkpoint_is_where_training_starts(kg, tmp_path):
   import jax
 
-  from pbsd_jax import policy_checkpoint, run_config, train
   from pbsd_jax.models import ModelConfig, init_params
+  from pbsd_jax.run import policy_checkpoint, run_config, train
   from test_configs import load
 
   model = ModelConfig(vocab_size=kg.vocab.vocab_size, hidden_size=32, num_layers=1,
@@ -198,8 +199,8 @@ def test_sft_teacher_fraction_trains_those_rows_on_the_privileged_prompt(kg):
   record's own privileged prompt before an unchanged trajectory and loss mask."""
   import jax
 
-  from pbsd_jax import run_config, task as task_lib, train
-  from pbsd_jax.batch import prompt_region
+  from pbsd_jax.agent.batch import prompt_region
+  from pbsd_jax.run import run_config, task as task_lib, train
   from test_configs import load
 
   def sequences(fraction):
@@ -234,23 +235,33 @@ def test_sft_teacher_fraction_trains_those_rows_on_the_privileged_prompt(kg):
       np.testing.assert_array_equal(mask[j, :width], region[f"{key}_mask"][0])
 
 
-def test_replayed_routing_trains_an_moe_model_from_the_sampler_routes(kg, tmp_path):
+def test_replayed_routing_scores_the_same_rollout_under_the_sampler_routes(kg, tmp_path):
   # The evidence pass fails without the sampler's routes (`evidence.replayed_routes`), so a
   # finished step means the rollout recorded them and the learner read them;
   # tests/test_rollout.py checks what they change. The in-graph rollout searches the sparse
   # index here (`env.index`), also checked there.
-  workdir = str(tmp_path)
-  _train(workdir, os.path.dirname(kg.paths["spm_model"]), "--config.model.name=micro-moe",
-         "--config.rl.steps=1", "--config.pbsd.replay_routing=True",
-         "--config.env.index=sparse")
-  (row,) = [r for r in _metrics(workdir) if r["stage"] == "rl"]
-  assert row["mean_action_tokens"] > 0 and row["credit/mean_abs_evidence"] > 0
-  assert np.isfinite(row["loss"]) and np.isfinite(row["grad_norm"])
+  rows = {}
+  for replay in (True, False):
+    workdir = str(tmp_path / f"replay_{replay}")
+    _train(workdir, os.path.dirname(kg.paths["spm_model"]), "--config.model.name=micro-moe",
+           "--config.rl.steps=1", f"--config.pbsd.replay_routing={replay}",
+           "--config.env.index=sparse")
+    (rows[replay],) = [r for r in _metrics(workdir) if r["stage"] == "rl"]
+  replayed, fresh = rows[True], rows[False]
+  # One SFT checkpoint and seed: both sample the same rollout (recording routes changes no
+  # draw) ...
+  for key in ("accuracy", "mean_turns", "mean_action_tokens"):
+    assert replayed[key] == fresh[key], key
+  assert replayed["mean_action_tokens"] > 0
+  # ... and score it differently: the teacher's pass on its own prompt routes the trajectory
+  # tokens afresh, unless it takes the sampler's routes.
+  assert replayed["credit/mean_abs_evidence"] > 0
+  assert replayed["credit/mean_abs_evidence"] != fresh["credit/mean_abs_evidence"]
 
 
 def test_the_generator_fields_make_the_dataset_and_a_made_one_must_match(tmp_path):
-  from pbsd_jax import run_config, task as task_lib
   from pbsd_jax.data import world as world_lib
+  from pbsd_jax.run import run_config, task as task_lib
   from test_configs import load
 
   family, hops = "--config.data.family_rate=1.0", "--config.data.hop_weights=(0.0,0.0,1.0)"

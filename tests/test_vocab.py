@@ -7,8 +7,8 @@ import tensorflow as tf
 import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from pbsd_jax import vocab as vocab_lib
-from pbsd_jax.env import protocol
+from pbsd_jax import protocol
+from pbsd_jax.data import vocab as vocab_lib
 
 _ACTION = "<think> I need the employer of Velora Quint. </think><search> Velora Quint </search>"
 

@@ -13,8 +13,8 @@ import jax
 import numpy as np
 import pytest
 
-from pbsd_jax import workdir as workdir_lib
-from pbsd_jax.metric_log import MetricLog
+from pbsd_jax.eval.metric_log import MetricLog
+from pbsd_jax.run import workdir as workdir_lib
 from test_checkpoint import delete_manifest, flip_bytes, largest_file, truncate
 from test_configs import load
 from test_train import OPSD, SMALL, _checkpoint, _final_params, _metrics, _train
@@ -60,7 +60,7 @@ def test_a_workdir_of_another_configuration_is_refused_unless_forced(tmp_path):
 
 _HOLD = """
 import sys, time
-from pbsd_jax import workdir
+from pbsd_jax.run import workdir
 from test_configs import load
 lock = workdir.claim(sys.argv[1], load("pbsd"))
 print("held", flush=True)

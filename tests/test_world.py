@@ -4,9 +4,7 @@ import random
 
 import pytest
 
-from pbsd_jax.data import corpus
-from pbsd_jax.data import names
-from pbsd_jax.data import world as world_lib
+from pbsd_jax.data import corpus, names, world as world_lib
 
 
 @pytest.fixture(scope="module")

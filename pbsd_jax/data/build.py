@@ -20,13 +20,10 @@ import dataclasses
 import json
 import os
 
-from pbsd_jax import vocab as vocab_lib
-from pbsd_jax.jsonl import write_jsonl
-from pbsd_jax.data import corpus as corpus_lib
-from pbsd_jax.data import oracle as oracle_lib
-from pbsd_jax.data import splits as splits_lib
-from pbsd_jax.data import world as world_lib
-from pbsd_jax.env import protocol
+from pbsd_jax import protocol
+from pbsd_jax.data import (corpus as corpus_lib, oracle as oracle_lib, splits as splits_lib,
+                           vocab as vocab_lib, world as world_lib)
+from pbsd_jax.data.jsonl import write_jsonl
 
 
 def make_dataset(out_dir: str, seed: int = 0,

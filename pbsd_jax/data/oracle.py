@@ -24,9 +24,8 @@ import dataclasses
 import random
 from typing import Any
 
-from pbsd_jax.data import questions as questions_lib
-from pbsd_jax.data import world as world_lib
-from pbsd_jax.env import protocol
+from pbsd_jax import protocol
+from pbsd_jax.data import questions as questions_lib, world as world_lib
 
 DETOUR_KINDS = ("neighbour", "question")
 DETOUR_SHARE = 0.15  # the embedded task's default share of trajectories that take a detour

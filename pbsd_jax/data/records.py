@@ -4,7 +4,7 @@ A record needs `question` (a non-empty string) and `golden_answers` (a non-empty
 non-empty strings); our files add `hops`, `tier` and, for SFT, `actions`, `gold_doc_ids`,
 `detour_turns`. Every problem raises `ValueError("{file}, line {n}: field '{name}': ...")`
 (1-based lines; "row" for parquet) before any tf.data pipeline is built, so a bad file fails
-at start-up, not mid-run. JSONL lines come from `pbsd_jax.jsonl.iter_jsonl`; this module
+at start-up, not mid-run. JSONL lines come from `pbsd_jax.data.jsonl.iter_jsonl`; this module
 imports neither TensorFlow nor JAX.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from pbsd_jax.jsonl import iter_jsonl
+from pbsd_jax.data.jsonl import iter_jsonl
 
 SEARCH_R1_FIELDS = ("question", "golden_answers")
 QUESTION_FIELDS = SEARCH_R1_FIELDS + ("hops", "tier")

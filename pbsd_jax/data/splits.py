@@ -25,8 +25,7 @@ from __future__ import annotations
 import dataclasses
 import random
 
-from pbsd_jax.data import questions as questions_lib
-from pbsd_jax.data import world as world_lib
+from pbsd_jax.data import questions as questions_lib, world as world_lib
 
 TIERS = ("easy", "medium", "hard")
 SPLITS = ("rl_train", "rl_validation", "sft", "ood", "ood_pool")

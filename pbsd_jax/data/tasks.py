@@ -24,8 +24,8 @@ from typing import Any, Sequence
 import seqio
 import tensorflow as tf
 
+from pbsd_jax import protocol
 from pbsd_jax.data import records as records_lib
-from pbsd_jax.env import protocol
 
 # task name -> (file in the data dir, its one split, the fields it carries)
 SYNTHETIC_TASKS = {

@@ -11,7 +11,7 @@ slot `q` attends to every real slot `s <= q`. The full forward is the same code 
 implicit cache (`write_index = 0`), so prefill, decode and training share one path.
 
 Every parameter carries logical axis names (`vocab, embed, heads, kv_heads, head_dim, mlp,
-expert, layers`); `pbsd_jax.sharding` maps them to mesh axes. The model knows nothing of RL.
+expert, layers`); `pbsd_jax.parallel.sharding` maps them to mesh axes. The model knows nothing of RL.
 """
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ import math
 import numpy as np
 from flax import struct
 
-from pbsd_jax.models import cpu_kernels
+from pbsd_jax.models import attention
+from pbsd_jax.models.attention.flash import tiling
 from pbsd_jax.models.config import ModelConfig, RopeScaling
+from pbsd_jax.parallel import sharding
 
 Array = jax.Array
 _INIT = nn.initializers.normal(stddev=0.02)
@@ -162,299 +164,6 @@ def apply_rope(x: Array, positions: Array, inv_freq: Array, scale: float = 1.0) 
   return out.astype(x.dtype)
 
 
-# Attention of more than one query per row runs in tiles of this many queries x keys
-# (`tiled_attention`).
-QUERY_BLOCK = 512
-KEY_BLOCK = 512
-# A decode step reads the cache in blocks of this many slots, up to the filled prefix.
-DECODE_BLOCK = 256
-
-
-def tiling(size: int, block: int) -> tuple[int, int]:
-  """`(count, width)` of equal blocks of at most `block` slots that tile `size` slots: block
-  `i` starts at `min(i * width, size - width)` (the last may overlap the one before it, so a
-  buffer is read in place, never padded)."""
-  count = -(-size // block)
-  return count, -(-size // count)
-
-
-def layer_window(x: Array, layer: Array | int, start: Array | int, width: int, dtype,
-                 axis: int = 3) -> Array:
-  """Slots `[start, start + width)` (along `axis`: 4 for the keys, 3 for the values) of layer
-  `layer` of an all-layer cache array (`KVCache`), or of one layer's array (rank 4; `layer`
-  is then 0), read in place, in `dtype`."""
-  if x.ndim == 4:
-    x = x[None]
-  starts = [layer, 0, 0, 0, 0]
-  starts[axis] = start
-  sizes = [1, *x.shape[1:]]
-  sizes[axis] = width
-  return jax.lax.dynamic_slice(x, starts, sizes)[0].astype(dtype)
-
-
-def needed_tiles(query_slots: Array, key_mask: Array, size: int, q_block: int, k_block: int
-                 ) -> Array:
-  """`bool[query blocks, key blocks]`: the tiles of `tiled_attention` in which some row has a
-  real key at or before one of its real queries (a query is real where `key_mask` holds its
-  slot). Query blocks are `q_block` wide; key blocks follow `tiling(size, k_block)`."""
-  b, t = query_slots.shape
-  nq, (nk, k_width) = -(-t // q_block), tiling(size, k_block)
-  real = (jnp.take_along_axis(key_mask, jnp.clip(query_slots, 0, size - 1), axis=1)
-          & (query_slots < size))
-  last = jnp.pad(jnp.where(real, query_slots, -1), ((0, 0), (0, nq * q_block - t)),
-                 constant_values=-1)
-  last = jnp.max(last.reshape(b, nq, q_block), axis=-1)  # [B, nq]: each block's last real query
-  blocks = jnp.minimum(jnp.arange(nk) * k_width, size - k_width)[:, None] + jnp.arange(k_width)
-  owned = blocks >= jnp.arange(nk)[:, None] * k_width  # [nk, width]: not in the block before
-  first = jnp.min(jnp.where(key_mask[:, blocks] & owned, blocks, size), axis=-1)  # [B, nk]
-  return jnp.any(first[:, None, :] <= last[:, :, None], axis=0)
-
-
-def decode_attention(query: Array, keys: Array, values: Array, layer: Array | int,
-                     key_mask: Array, last: Array) -> Array:
-  """`f32[B, kv_heads, groups, head_dim]`: one query per row (a decode step; `query` scaled by
-  `1/sqrt(head_dim)`) over layer `layer` of `keys, values` in the layout of `KVCache`, at the
-  real slots (`key_mask: bool[B, S]`) up to each row's own (`last: i32[B]`).
-
-  The keys are read in the blocks of `tiling(S, DECODE_BLOCK)`, up to the highest slot any row
-  attends to (a traced trip count), with an online softmax across blocks (flash-decoding), so
-  a step's cost follows the filled prefix, not the buffer. Within a block, attention is
-  multiply-and-reduce: as a batched dot XLA:CPU runs B x kv_heads separate matrix-vector
-  products (a 64-row step on the benchmark model: 14 -> 8.4 ms at 192 slots). The scores
-  reduce over `head_dim`, a major axis of the keys (`KVCache`), so the sums run across whole
-  rows of slots (that step: 5.5 -> 4.5 ms). On the CPU `Attention` runs
-  `cpu_kernels.decode_attention` instead, the same computation reading the cache in place.
-  """
-  f32 = jnp.float32
-  size = values.shape[-2]
-  _, block = tiling(size, DECODE_BLOCK)
-  query = query[..., None]  # [B, kvh, g, hd, 1]
-
-  def step(i, carry):
-    best, total, acc = carry
-    start = jnp.minimum(i * block, size - block)  # the last block may overlap the one before
-    k_blk = layer_window(keys, layer, start, block, f32, axis=4)
-    v_blk = layer_window(values, layer, start, block, f32)
-    slot = start + jnp.arange(block)
-    ok = (jax.lax.dynamic_slice_in_dim(key_mask, start, block, 1)
-          & (slot >= i * block)[None, :] & (slot[None, :] <= last[:, None]))
-    scores = jnp.sum(query * k_blk[:, :, None], -2)  # [B, kvh, g, block]
-    scores = jnp.where(ok[:, None, None], scores, -jnp.inf)
-    new_best = jnp.maximum(best, jnp.max(scores, -1))
-    probs = jnp.exp(scores - new_best[..., None])
-    scale = jnp.exp(best - new_best)
-    return (new_best, total * scale + jnp.sum(probs, -1),
-            acc * scale[..., None] + jnp.sum(probs[..., None] * v_blk[:, :, None], -2))
-
-  shape = query.shape[:3]
-  # A finite floor for the running maximum: a block with no allowed slot leaves it, and
-  # exp(-inf - floor) is 0 rather than NaN.
-  carry = (jnp.full(shape, jnp.finfo(f32).min, f32), jnp.zeros(shape, f32),
-           jnp.zeros((*shape, query.shape[3]), f32))
-  _, total, acc = jax.lax.fori_loop(0, (jnp.max(last) + block) // block, step, carry)
-  return acc / total[..., None]
-
-
-def tiled_attention(q: Array, keys: Array, values: Array, layer: Array | int,
-                    query_slots: Array, key_mask: Array, q_block: int | None = None,
-                    k_block: int | None = None) -> Array:
-  """Exact attention of `q: [B, T, kv_heads, groups, head_dim]` over layer `layer` of
-  `keys, values` in the layout of `KVCache` (read in place), a query at slot
-  `query_slots[b, t]` attending to the real slots (`key_mask: bool[B, S]`) at or before it.
-
-  Flash attention: the queries run in blocks of `q_block` (default `QUERY_BLOCK`), the keys
-  in the blocks of `tiling(S, k_block)` (default `KEY_BLOCK`) with an online softmax. A tile in
-  which no row has a real key at or before one of its real queries (`needed_tiles`: the
-  causal future, padding, the empty end of a cache) is skipped by a `lax.cond`, so the cost
-  follows the real tokens' causal triangle. The backward pass is its own (`jax.custom_vjp`):
-  it recomputes each needed tile's probabilities from the saved log-normalisers, so memory is
-  linear in the row's length wherever the attention sits (autodiff of the loops, even
-  rematerialised, kept every tile's probabilities inside the layer scan). A query with no key
-  it may attend to gets zeros.
-  """
-  blocks = (min(q_block or QUERY_BLOCK, q.shape[1]), k_block or KEY_BLOCK)
-  return _flash(q, keys, values, layer, query_slots, key_mask, blocks)
-
-
-def _flash_layout(q, keys, query_slots, key_mask, blocks):
-  """Shared by the forward and backward passes: the tiling and the per-tile helpers."""
-  q_width, k_block = blocks
-  b, t = q.shape[:2]
-  size = key_mask.shape[1]
-  nq, (nk, k_width) = -(-t // q_width), tiling(size, k_block)
-  pad = nq * q_width - t
-  needed = needed_tiles(query_slots, key_mask, size, q_width, k_block)
-
-  def split(x, fill=0):  # [B, T, ...] -> [nq, B, q_width, ...]
-    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
-    return jnp.moveaxis(x.reshape(b, nq, q_width, *x.shape[2:]), 1, 0)
-
-  def merge(x):  # [nq, B, q_width, ...] -> [B, T, ...]
-    x = jnp.moveaxis(x, 0, 1)
-    return x.reshape(b, nq * q_width, *x.shape[3:])[:, :t]
-
-  def tile_scores(query, slots, j, layer, keys, values):
-    """Scaled scores `f32[B, kvh, g, w, width]` of one tile (-inf where not allowed), its
-    keys and values, and its first slot."""
-    start = jnp.minimum(j * k_width, size - k_width)
-    k_tile = layer_window(keys, layer, start, k_width, q.dtype, axis=4)
-    v_tile = layer_window(values, layer, start, k_width, q.dtype)
-    key_slot = start + jnp.arange(k_width)
-    ok = (jax.lax.dynamic_slice_in_dim(key_mask, start, k_width, 1)[:, None, :]
-          & (key_slot >= j * k_width)[None, None, :]
-          & (key_slot[None, None, :] <= slots[:, :, None]))  # [B, w, width]
-    scores = jnp.einsum("bkgqd,bkds->bkgqs", query, k_tile,
-                        preferred_element_type=jnp.float32) / jnp.sqrt(jnp.float32(q.shape[-1]))
-    return jnp.where(ok[:, None, None], scores, -jnp.inf), k_tile, v_tile, start
-
-  return nk, k_width, needed, split, merge, tile_scores
-
-
-def _flash_forward(q, keys, values, layer, query_slots, key_mask, blocks):
-  """`(out [B, T, kvh, g, hd], log-normaliser f32[B, kvh, g, T])`; +inf where no key.
-
-  The slots and the key mask pass an optimisation barrier with the queries: to JAX's partial
-  evaluation they then depend on the layer's input. Otherwise, inside the differentiated
-  layer scan, JAX hoists their loop-invariant tile masks out of the scan, one per (query
-  block, key block) pair: memory quadratic in the row (7 GB at 16K tokens).
-  """
-  f32 = jnp.float32
-  q, query_slots, key_mask = jax.lax.optimization_barrier((q, query_slots, key_mask))
-  b, _, kvh, g, hd = q.shape
-  nk, _, needed, split, merge, tile_scores = _flash_layout(q, keys, query_slots, key_mask,
-                                                           blocks)
-
-  def query_block(args):
-    q_blk, slots, needed_row = args
-    query = jnp.moveaxis(q_blk, 1, 3)  # [B, kvh, g, w, hd]
-
-    def tile(carry, inputs):
-      def attend(carry):
-        best, total, acc = carry
-        scores, _, v_tile, _ = tile_scores(query, slots, inputs[0], layer, keys, values)
-        new_best = jnp.maximum(best, jnp.max(scores, -1))
-        probs = jnp.exp(scores - new_best[..., None])
-        scale = jnp.exp(best - new_best)
-        return (new_best, total * scale + jnp.sum(probs, -1), acc * scale[..., None]
-                + jnp.einsum("bkgqs,bksd->bkgqd", probs.astype(q.dtype), v_tile,
-                             preferred_element_type=f32))
-      return jax.lax.cond(inputs[1], attend, lambda c: c, carry), None
-
-    shape = (b, kvh, g, q_blk.shape[1])
-    # A finite floor for the running maximum: a tile with no allowed slot leaves it, and
-    # exp(-inf - floor) is 0 rather than NaN.
-    carry = (jnp.full(shape, jnp.finfo(f32).min, f32), jnp.zeros(shape, f32),
-             jnp.zeros((*shape, hd), f32))
-    (best, total, acc), _ = jax.lax.scan(tile, carry, (jnp.arange(nk), needed_row))
-    out = acc / jnp.where(total > 0, total, 1.0)[..., None]
-    lse = jnp.where(total > 0, best + jnp.log(total), jnp.inf)
-    return jnp.moveaxis(out, 3, 1).astype(q.dtype), jnp.moveaxis(lse, 3, 1)
-
-  out, lse = jax.lax.map(query_block, (split(q), split(query_slots, -1), needed))
-  return merge(out), jnp.moveaxis(merge(lse), 1, 3)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _flash(q, keys, values, layer, query_slots, key_mask, blocks):
-  return _flash_forward(q, keys, values, layer, query_slots, key_mask, blocks)[0]
-
-
-def _flash_fwd(q, keys, values, layer, query_slots, key_mask, blocks):
-  out, lse = _flash_forward(q, keys, values, layer, query_slots, key_mask, blocks)
-  return out, (q, keys, values, layer, query_slots, key_mask, out, lse)
-
-
-def _flash_bwd(blocks, residuals, d_out):
-  """FlashAttention's backward: per needed tile, `p = exp(s - lse)`,
-  `ds = p * (d_out . v - delta)` with `delta = sum(d_out * out)`; `dq += ds k`,
-  `dk += ds^T q`, `dv += p^T d_out`, the key gradients accumulated in place."""
-  q, keys, values, layer, query_slots, key_mask, out, lse = residuals
-  q, query_slots, key_mask = jax.lax.optimization_barrier((q, query_slots, key_mask))
-  f32 = jnp.float32
-  scale = 1.0 / jnp.sqrt(f32(q.shape[-1]))
-  nk, k_width, needed, split, merge, tile_scores = _flash_layout(q, keys, query_slots,
-                                                                 key_mask, blocks)
-  delta = jnp.sum(d_out.astype(f32) * out.astype(f32), -1)  # [B, T, kvh, g]
-
-  def query_block(carry, args):
-    q_blk, slots, needed_row, lse_blk, delta_blk, d_blk = args
-    query = jnp.moveaxis(q_blk, 1, 3)  # [B, kvh, g, w, hd]
-    d_o = jnp.moveaxis(d_blk, 1, 3).astype(q.dtype)
-    lse_blk, delta_blk = jnp.moveaxis(lse_blk, 1, 3), jnp.moveaxis(delta_blk, 1, 3)
-
-    def tile(inner, inputs):
-      def backward(inner):
-        dq, dk, dv = inner
-        scores, k_tile, v_tile, start = tile_scores(query, slots, inputs[0], layer, keys,
-                                                    values)
-        probs = jnp.exp(scores - lse_blk[..., None])  # 0 where not allowed or no key
-        dp = jnp.einsum("bkgqd,bksd->bkgqs", d_o, v_tile, preferred_element_type=f32)
-        ds = (probs * (dp - delta_blk[..., None]) * scale).astype(q.dtype)
-        dq = dq + jnp.einsum("bkgqs,bkds->bkgqd", ds, k_tile, preferred_element_type=f32)
-        add = lambda acc, x, axis: jax.lax.dynamic_update_slice_in_dim(
-            acc, jax.lax.dynamic_slice_in_dim(acc, start, k_width, axis) + x, start, axis)
-        dk = add(dk, jnp.einsum("bkgqs,bkgqd->bkds", ds, query, preferred_element_type=f32), 3)
-        dv = add(dv, jnp.einsum("bkgqs,bkgqd->bksd", probs.astype(q.dtype), d_o,
-                                preferred_element_type=f32), 2)
-        return dq, dk, dv
-      return jax.lax.cond(inputs[1], backward, lambda c: c, inner), None
-
-    dq = jnp.zeros(query.shape, f32)
-    (dq, dk, dv), _ = jax.lax.scan(tile, (dq, *carry), (jnp.arange(nk), needed_row))
-    return (dk, dv), jnp.moveaxis(dq, 3, 1)
-
-  zeros = lambda x: jnp.zeros(x.shape[1:], f32)
-  (dk, dv), dq = jax.lax.scan(query_block, (zeros(keys), zeros(values)), (
-      split(q), split(query_slots, -1), needed, split(jnp.moveaxis(lse, 3, 1), jnp.inf),
-      split(delta), split(d_out)))
-  place = lambda g, like: jnp.zeros(like.shape, like.dtype).at[layer].set(g.astype(like.dtype))
-  return (merge(dq).astype(q.dtype), place(dk, keys), place(dv, values), None, None, None)
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
-
-
-def splash_attention(q: Array, keys: Array, values: Array, mask: Array,
-                     interpret: bool = False) -> Array:
-  """Causal attention of a forward without a cache through the Pallas splash-attention kernel.
-
-  `q: [B, T, kv_heads, groups, head_dim]`, `keys, values: [B, kv_heads, T, head_dim]`,
-  `mask: bool[B, T]` real tokens (contiguous in each row). Rows are padded to a multiple of
-  128 slots; a row's real tokens are segment 1 of the kernel's segment ids and every other slot
-  segment 0, so a real query attends to the real keys at or before it, as in
-  `tiled_attention`, and a padded query's output is set to zero. `interpret` runs the kernel
-  in Pallas's interpreter (any backend; slow).
-  """
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-  b, t, kvh, groups, hd = q.shape
-  width = -(-t // 128) * 128
-  pad = lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, width - t), (0, 0)])
-  query = pad(jnp.moveaxis(q.reshape(b, t, kvh * groups, hd), 1, 2) * (1.0 / math.sqrt(hd)))
-  keys, values = (pad(jnp.repeat(x, groups, axis=1)) for x in (keys, values))
-  segments = jnp.pad(mask.astype(jnp.int32), [(0, 0), (0, width - t)])
-  kernel = _splash_kernel(kvh * groups, width, interpret)
-  out = jax.vmap(kernel)(query, keys, values,
-                         segment_ids=sk.SegmentIds(q=segments, kv=segments))
-  out = jnp.moveaxis(out[:, :, :t], 1, 2).reshape(q.shape)
-  return jnp.where(mask[:, :, None, None, None], out, 0).astype(q.dtype)
-
-
-def _splash_kernel(heads: int, width: int, interpret: bool):
-  """The splash kernel of a causal mask over `width` slots for `heads` heads, its block
-  masks as concrete arrays whatever trace asks for it (built anew per trace: a kernel kept
-  across traces leaks the first one's tracers into the next)."""
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
-  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sm
-  block = next(size for size in (512, 256, 128) if width % size == 0)
-  sizes = sk.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
-                        block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
-                        block_q_dq=block, block_kv_dq=block)
-  mask = sm.MultiHeadMask([sm.CausalMask((width, width))] * heads)
-  with jax.ensure_compile_time_eval():
-    return sk.make_splash_mha(mask, head_shards=1, q_seq_shards=1, block_sizes=sizes,
-                              interpret=interpret)
-
-
 def dense(x: Array, kernel: Array, axes: int = 1) -> Array:
   """Contracts the last `axes` axes of `x` with the first `axes` of `kernel`, as one 2-D matmul.
 
@@ -464,40 +173,44 @@ def dense(x: Array, kernel: Array, axes: int = 1) -> Array:
   """
   lead, fan_in = x.shape[:x.ndim - axes], kernel.shape[:axes]
   size = int(np.prod(fan_in))
-  matmul = _cpu_matmul if jax.default_backend() == "cpu" else jnp.matmul
-  y = matmul(x.reshape(-1, size), kernel.reshape(size, -1))
+  y = _matmul(x.reshape(-1, size), kernel.reshape(size, -1))
   return y.reshape(*lead, *kernel.shape[axes:])
 
 
 @jax.custom_vjp
-def _cpu_matmul(x: Array, w: Array) -> Array:
+def _matmul(x: Array, w: Array) -> Array:
   """`x @ w` for `x: [N, K]`, `w: [K, M]`, whose weight gradient runs in YNNPACK on XLA:CPU.
 
   The weight gradient `x.T @ dy` contracts both operands over their leading axis. XLA:CPU
   folds a transpose into the dot's dimensions, and YNNPACK takes no dot whose left operand
   contracts over its leading axis, so the product falls back to Eigen at about 60 % of
-  YNNPACK's speed (the update's weight gradients are a third of its FLOPs). The backward here
-  transposes the smaller operand into a row-major copy behind an optimisation barrier (which
-  keeps it from being folded back), so the product is a plain row-major matmul.
+  YNNPACK's speed (the update's weight gradients are a third of its FLOPs). On the CPU the
+  backward transposes the smaller operand into a row-major copy behind an optimisation
+  barrier (which keeps it from being folded back), so the product is a plain row-major matmul;
+  on other platforms it is autodiff's.
   """
   return x @ w
 
 
-def _cpu_matmul_fwd(x, w):
+def _matmul_fwd(x, w):
   return x @ w, (x, w)
 
 
-def _cpu_matmul_bwd(residuals, dy):
-  x, w = residuals
+def _weight_gradient_on_cpu(x, dy):
   kept = jax.lax.optimization_barrier
   if x.shape[1] <= dy.shape[1]:
-    dw = kept(kept(x.T) @ dy)
-  else:
-    dw = kept(kept(dy.T) @ x).T
+    return kept(kept(x.T) @ dy)
+  return kept(kept(dy.T) @ x).T
+
+
+def _matmul_bwd(residuals, dy):
+  x, w = residuals
+  dw = jax.lax.platform_dependent(x, dy, cpu=_weight_gradient_on_cpu,
+                                  default=lambda x, dy: x.T @ dy)
   return (dy @ w.T).astype(x.dtype), dw.astype(w.dtype)
 
 
-_cpu_matmul.defvjp(_cpu_matmul_fwd, _cpu_matmul_bwd)
+_matmul.defvjp(_matmul_fwd, _matmul_bwd)
 
 
 def _param(module: nn.Module, name: str, shape, axes, init=_INIT):
@@ -533,12 +246,11 @@ class Attention(nn.Module):
 
     The new keys and values are written straight into the all-layer arrays (which the
     layer scan carries), so a decode step updates the cache in place instead of slicing
-    it out and stacking it back (a copy of the whole cache per step): on the CPU by
-    `cpu_kernels.write_cache`, elsewhere by XLA's scatter.
+    it out and stacking it back (a copy of the whole cache per step); `models.attention`
+    chooses the kernels by the platform the program is compiled for.
     """
     c = self.config
     dt, hd, h, kvh = c.jnp_dtype, c.resolved_head_dim, c.num_heads, c.num_kv_heads
-    backend = jax.default_backend()
 
     def project(name, heads):
       kernel = _param(self, f"{name}_kernel", (c.hidden_size, heads, hd),
@@ -558,24 +270,11 @@ class Attention(nn.Module):
     q, k = apply_rope(q, positions, inv_freq, scale), apply_rope(k, positions, inv_freq, scale)
 
     k, v = jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2)  # [B, kv_heads, T, head_dim]
-    if cache is None:
-      new_cache = None
-    else:
-      # Slots past the end of the buffer are dropped (the kernel skips them, XLA's scatter
-      # has mode="drop"), not clamped (dynamic_update_slice would silently shift the write).
+    new_cache = None
+    if cache is not None:
       cache_k, cache_v, layer = cache[:3]
-      written = None
-      if backend == "cpu":  # in place, where the kernel is built
-        written = cpu_kernels.write_cache(cache_k, cache_v, layer, k, v, query_slots)
-      if written is None:
-        lead = () if cache_k.ndim == 4 else (layer,)  # one layer's arrays, or all layers'
-        rows, heads = jnp.arange(k.shape[0])[:, None, None], jnp.arange(kvh)[None, :, None]
-        slots = query_slots[:, None, :]
-        written = (cache_k.at[(*lead, rows, heads, slice(None), slots)].set(
-                       k.astype(cache_k.dtype), mode="drop"),
-                   cache_v.at[(*lead, rows, heads, slots)].set(
-                       v.astype(cache_v.dtype), mode="drop"))
-      new_cache = (*written, layer, *cache[3:])
+      new_cache = (*attention.write_cache(cache_k, cache_v, layer, k, v, query_slots), layer,
+                   *cache[3:])
     local = cache is None or len(cache) == 4  # the new tokens attend among themselves only
     if not local:
       all_keys, all_values, layer = new_cache[:3]  # read in place: never copied out
@@ -584,42 +283,16 @@ class Attention(nn.Module):
       if cache is not None:
         key_mask = cache[3]
         query_slots = jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), key_mask.shape)
-    size = all_values.shape[-2]
     b, t = q.shape[:2]
     q = q.reshape(b, t, kvh, h // kvh, hd)
-
-    def read(start, width):
-      """This layer's keys and values of slots `[start, start + width)`, in the compute dtype."""
-      return (layer_window(all_keys, layer, start, width, dt, axis=4),
-              layer_window(all_values, layer, start, width, dt))
-
-    def attend_library(q):
-      """`jax.nn.dot_product_attention`: cuDNN's fused kernel on GPU in 16-bit floats."""
-      gpu = backend == "gpu" and dt in (jnp.bfloat16, jnp.float16)
-      keys, values = read(0, size)
-      allowed = key_mask[:, None, :] & (jnp.arange(size)[None, None, :]
-                                        <= query_slots[:, :, None])
-      out = jax.nn.dot_product_attention(
-          q.reshape(*q.shape[:2], h, hd), jnp.moveaxis(keys, 3, 1), jnp.swapaxes(values, 1, 2),
-          mask=allowed[:, None], implementation="cudnn" if gpu else "xla")
-      return out.reshape(q.shape)
-
-    tpu = backend == "tpu"
     if t == 1:
       query = q[:, 0].astype(jnp.float32) / jnp.sqrt(jnp.float32(hd))
       last = query_slots[:, 0]  # each row attends to the slots up to its own
-      out = None
-      if backend == "cpu":  # the kernel, where it is built
-        out = cpu_kernels.decode_attention(query, all_keys, all_values, layer, key_mask, last)
-      if out is None:
-        out = decode_attention(query, all_keys, all_values, layer, key_mask, last)
-      out = out[:, None].astype(dt)
-    elif local and (c.attention == "splash" or (c.attention == "dot_product" and tpu)):
-      out = splash_attention(q, k, v, key_mask, interpret=not tpu)
-    elif c.attention in ("dot_product", "splash"):
-      out = attend_library(q)
+      out = attention.decode_step(query, all_keys, all_values, layer, key_mask, last)[:, None]
     else:
-      out = tiled_attention(q, all_keys, all_values, layer, query_slots, key_mask)
+      out = attention.causal(c.attention, q, all_keys, all_values, layer, query_slots,
+                             key_mask, local)
+    out = out.astype(dt)
     out = out.reshape(b, t, h, hd)
     o_kernel = _param(self, "o_kernel", (h, hd, c.hidden_size), ("heads", "head_dim", "embed"))
     out = dense(out, o_kernel.astype(dt), axes=2)
@@ -819,7 +492,7 @@ def init_params(config: ModelConfig, rng: Array, shardings: Any = None) -> Any:
   The same distributions as `Transformer.init` (norm scales 1, biases 0, other weights
   N(0, 0.02^2)) drawn on the host with numpy from a seed derived from `rng`: XLA compiles the
   model's own init for seconds on a CPU, which every test and script would pay. With
-  `shardings` (a tree like the params, e.g. `sharding.param_shardings`), each device gets only
+  `shardings` (a tree like the params, e.g. `param_shardings`), each device gets only
   its shard of each array (`jax.make_array_from_callback`; every process draws the same
   values), so no device holds a whole parameter it should not.
   """
@@ -858,3 +531,8 @@ def param_axes(config: ModelConfig) -> Any:
   """The logical axis names of every parameter, as a pytree of `PartitionSpec`s."""
   boxed = jax.eval_shape(lambda rng: _init_boxed(config, rng), jax.random.key(0))
   return nn.get_partition_spec(boxed)
+
+
+def param_shardings(config: ModelConfig, mesh: jax.sharding.Mesh, rules=sharding.RULES) -> Any:
+  """`NamedSharding` of every parameter of `config`, from `param_axes` and the rules."""
+  return sharding.logical_to_sharding(param_axes(config), mesh, rules, param_shapes(config))

@@ -1,0 +1,1 @@
+"""The search agent: the environment's rules, retrievers, prompts and the rollout."""

@@ -1,0 +1,421 @@
+"""The multi-turn search agent rollout: the `Rollout` layout and its two compositions.
+
+Token layout (docs/design.md §3, the contract every stage shares): `tokens: i32[B, T]` holds the
+prompt region, left-padded to a fixed width P, then the trajectory written contiguously from
+column P by a per-row cursor (actions and observations alternating), then right padding.
+`action_mask` is True exactly on the tokens the policy sampled (including the tag that ended a
+turn and EOS); `turn_ids` is k on the action tokens of turn k and -1 elsewhere.
+
+One turn: decode until `</search>`, `</answer>`, EOS or the per-turn budget; classify the action
+from its tokens; a search retrieves top-k documents whose tokens are appended as one
+`<information>...</information>` observation in a single batched prefill; an answer or EOS
+ends the episode; anything else gets a short notice. After `max_turns`, or when the buffer is
+full, the episode ends as truncated. The rules on tokens (`AgentEnv`, `classify_turn`,
+`assemble_observation`) are the environment's, in `pbsd_jax.agent.env.agent_env`; this module
+drives the sampler through them.
+
+Two compositions of the same jitted pieces (`_act`, `_observe`):
+  * `ingraph_rollout`: the retriever is a device-resident BM25 index, so the whole episode,
+    turn loop included, is one XLA program;
+  * `host_rollout`: a Python turn loop that calls any `Retriever` between the jitted pieces.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import struct
+
+from pbsd_jax.agent import gold_chain
+from pbsd_jax.agent.env import actions, observations, rewards
+from pbsd_jax.agent.env.agent_env import (AgentEnv, KIND_ANSWER, KIND_EOS, KIND_SEARCH,
+                                          assemble_observation, classify_turn)
+from pbsd_jax.agent.env.bm25 import BM25Index
+from pbsd_jax.agent.env.retriever import Document, RetrievalError
+from pbsd_jax.agent.env.sparse_bm25 import SparseBM25Index
+from pbsd_jax.agent.env.token_text import TokenText, answer_match, classify_bytes, turn_bytes
+from pbsd_jax.generate.sampling import DecodeState, STOP_BUFFER_FULL, Sampler
+
+Array = jax.Array
+
+
+@struct.dataclass
+class Rollout:
+  """A batch of finished episodes in the shared token layout (see the module docstring).
+
+  Attributes:
+    tokens: `i32[B, T]` prompt region `[0, P)`, trajectory from column P, right padding 0.
+    action_mask: `bool[B, T]` tokens the policy sampled (or that were forced as its actions).
+    turn_ids: `i32[B, T]` turn index on action tokens, -1 elsewhere.
+    num_turns: `i32[B]` turns taken.
+    length: `i32[B]` end column of each row (its cursor): the trajectory is `[P, length)`.
+    prompt_length: `i32[B]` real prompt tokens (the prompt is `[P - prompt_length, P)`).
+    finished: `bool[B]` the policy ended the episode (answer or EOS).
+    truncated: `bool[B]` ended by `max_turns` or by the context budget.
+    group_ids: `i32[B]` which prompt each row samples (rows of a group are consecutive).
+    sample_logp: `f32[B, T]` the sampler's log-probs of action tokens (diagnostics only).
+    reward: `f32[B]` outcome reward (exact match of the last answer in action tokens).
+    searches: `i32[B]` search turns (each one retrieval).
+    search_failures: `i32[B]` searches whose retrieval failed (host retrievers only).
+    prompt_width: P (static).
+    turn_kind: `i32[B, K]` each turn's `agent_env.KIND_*`, -1 for a turn not taken.
+    turn_doc: `i32[B, K]` each search turn's top document (its corpus row, or a host
+      retriever's numeric document id), -1 where there is none.
+    turn_label: `i32[B, K]` `gold_chain.turn_labels` when the gold chains were given,
+      else None.
+    routes: `i32[B, T, layers, k]` each token's MoE routes in the sampler (-1 on padding)
+      when it recorded them (`Sampler.record_routes`), else None.
+  """
+
+  tokens: Array
+  action_mask: Array
+  turn_ids: Array
+  num_turns: Array
+  length: Array
+  prompt_length: Array
+  finished: Array
+  truncated: Array
+  group_ids: Array
+  sample_logp: Array
+  reward: Array
+  searches: Array
+  search_failures: Array
+  prompt_width: int = struct.field(pytree_node=False)
+  turn_kind: Array | None = None
+  turn_doc: Array | None = None
+  turn_label: Array | None = None
+  routes: Array | None = None
+
+  @property
+  def mask(self) -> Array:
+    """`bool[B, T]` real tokens: the prompt's and the trajectory's."""
+    cols = jnp.arange(self.tokens.shape[1])[None, :]
+    return ((cols >= self.prompt_width - self.prompt_length[:, None])
+            & (cols < self.length[:, None]))
+
+  @property
+  def observation_mask(self) -> Array:
+    """`bool[B, T]` environment-written trajectory tokens (never trained on)."""
+    cols = jnp.arange(self.tokens.shape[1])[None, :]
+    return self.mask & (cols >= self.prompt_width) & ~self.action_mask
+
+  @property
+  def num_action_tokens(self) -> Array:
+    """`i32[B]` tokens the policy generated."""
+    return jnp.sum(self.action_mask, axis=1)
+
+
+@struct.dataclass
+class Episode:
+  """The turn loop's state.
+
+  Attributes:
+    decode: the sampler state (buffer, cache, cursors, next-token logits).
+    turn_ids: `i32[B, T]` as in `Rollout`.
+    num_turns: `i32[B]` turns taken so far.
+    finished: `bool[B]` ended by an answer or EOS.
+    truncated: `bool[B]` ended by max_turns or the context budget.
+    searches: `i32[B]` search turns so far.
+    search_failures: `i32[B]` failed retrievals so far.
+    turn_kind, turn_doc: `i32[B, K]` as in `Rollout`.
+    reward: `f32[B]` with text tags in-graph, the exact match of the last turn that held an
+      answer span so far (`token_text.answer_match`); zeros otherwise.
+  """
+
+  decode: DecodeState
+  turn_ids: Array
+  num_turns: Array
+  finished: Array
+  truncated: Array
+  searches: Array
+  search_failures: Array
+  turn_kind: Array
+  turn_doc: Array
+  reward: Array
+
+  @property
+  def done(self) -> Array:
+    return self.finished | self.truncated
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _start(sampler: Sampler, env: AgentEnv, params, prompts: Array, prompt_mask: Array
+           ) -> Episode:
+  b = prompts.shape[0]
+  state = sampler.prefill(params, prompts, prompt_mask, env.buffer_size)
+  zeros = jnp.zeros((b,), jnp.int32)
+  no_turns = jnp.full((b, env.max_turns), -1, jnp.int32)
+  return Episode(decode=state, turn_ids=jnp.full(state.tokens.shape, -1, jnp.int32),
+                 num_turns=zeros, finished=zeros.astype(bool),
+                 truncated=(state.cursor >= env.buffer_size), searches=zeros,
+                 search_failures=zeros, turn_kind=no_turns, turn_doc=no_turns,
+                 reward=jnp.zeros((b,), jnp.float32))
+
+
+def _check_text(env: AgentEnv, text: TokenText | None) -> None:
+  if env.text_tags and text is None:
+    raise ValueError("the protocol tags are several tokens in this vocabulary: pass the "
+                     "vocabulary's TokenText (token_text.build) as text=")
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _act(sampler: Sampler, env: AgentEnv, params, ep: Episode, rng: Array, turn: Array,
+         forced: Array | None = None, forced_length: Array | None = None,
+         text: TokenText | None = None, gold: Array | None = None
+         ) -> tuple[Episode, Array, Array]:
+  """One action per live row, sampled (or forced: `i32[B, La]` with lengths), classified;
+  with text tags on the turn's text (`text`), and judged against `gold`
+  (`batch.gold_text_batch`) when it is given."""
+  live = ~ep.done
+  state = ep.decode
+  start = state.cursor
+  room = env.buffer_size - start
+  if forced is None:
+    budget = jnp.minimum(env.max_action_tokens, room)
+    stops = (None, text.stops) if env.text_tags else (env.stop_sequences, None)
+    state, result = sampler.decode(params, state, rng, budget, stops[0], live, stops[1],
+                                   max_steps=env.max_action_tokens, eos_id=env.eos_id)
+    out_of_room = result.stop_reason == STOP_BUFFER_FULL
+  else:
+    lengths = jnp.where(live, jnp.minimum(forced_length, room), 0)
+    state = sampler.append(params, state, forced, lengths, as_actions=True)
+    out_of_room = forced_length > room
+  end = state.cursor
+  cols = jnp.arange(env.buffer_size)[None, :]
+  this_turn = live[:, None] & (cols >= start[:, None]) & (cols < end[:, None])
+  reward = ep.reward
+  if env.text_tags:
+    s, n, owner = turn_bytes(state.tokens, start, end, env.max_action_tokens, text)
+    kind, query = classify_bytes(state.tokens, start, end, env, s, n, owner)
+    if gold is not None:
+      has, correct = answer_match(s, n, gold)
+      reward = jnp.where(live & has, correct.astype(jnp.float32), reward)
+  else:
+    kind, query = classify_turn(state.tokens, start, end, env)
+  ends_episode = live & ((kind == KIND_ANSWER) | (kind == KIND_EOS))
+  ep = ep.replace(reward=reward,
+      decode=state, turn_ids=jnp.where(this_turn, turn, ep.turn_ids),
+      num_turns=ep.num_turns + live, finished=ep.finished | ends_episode,
+      turn_kind=ep.turn_kind.at[:, turn].set(jnp.where(live, kind, -1)),
+      truncated=ep.truncated | (live & ~ends_episode & (out_of_room | (end >= env.buffer_size))))
+  return ep, jnp.where(live, kind, KIND_EOS), query
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _observe(sampler: Sampler, env: AgentEnv, params, ep: Episode, kind: Array, turn: Array,
+             doc_tokens: Array, doc_lengths: Array, failed: Array, top_doc: Array) -> Episode:
+  """Appends each live row's observation (documents or the notice) in one batched prefill;
+  `top_doc: i32[B]` (the first document's id, -1 for none) is recorded for search turns."""
+  live = ~ep.done
+  room = env.buffer_size - ep.decode.cursor
+  budget = jnp.minimum(env.max_observation_tokens, room)
+  info_open, info_close = env.tag_tokens("info_open"), env.tag_tokens("info_close")
+  obs, obs_len = assemble_observation(doc_tokens, doc_lengths, budget, info_open, info_close)
+  notice = jnp.broadcast_to(jnp.array(env.notice, jnp.int32), (obs.shape[0], len(env.notice)))
+  width = max(obs.shape[1], len(env.notice))
+  pad = lambda x: jnp.pad(x, [(0, 0), (0, width - x.shape[1])])
+  search = kind == KIND_SEARCH
+  tokens = jnp.where(search[:, None], pad(obs), pad(notice))
+  lengths = jnp.where(search, obs_len, jnp.minimum(len(env.notice), room))
+  lengths = jnp.where(live, lengths, 0)
+  state = sampler.append(params, ep.decode, tokens, lengths)
+  too_small = budget < len(info_open) + len(info_close) + 1
+  out_of_room = live & ((state.cursor >= env.buffer_size) | (search & too_small))
+  last_turn = live & (turn + 1 >= env.max_turns)
+  found = live & search & ~failed
+  return ep.replace(decode=state, truncated=ep.truncated | out_of_room | last_turn,
+                    turn_doc=ep.turn_doc.at[:, turn].set(jnp.where(found, top_doc, -1)),
+                    searches=ep.searches + (live & search),
+                    search_failures=ep.search_failures + (live & search & failed))
+
+
+def _finish(ep: Episode, prompt_mask: Array, group_ids: Array, reward: Array,
+            gold_docs: Array | None) -> Rollout:
+  state = ep.decode
+  labels = (None if gold_docs is None else
+            gold_chain.turn_labels(ep.turn_kind, ep.turn_doc, jnp.asarray(gold_docs)))
+  return Rollout(tokens=state.tokens, action_mask=state.sampled, turn_ids=ep.turn_ids,
+                 num_turns=ep.num_turns, length=state.cursor,
+                 prompt_length=jnp.sum(prompt_mask, axis=1).astype(jnp.int32),
+                 finished=ep.finished, truncated=ep.truncated & ~ep.finished,
+                 group_ids=group_ids, sample_logp=state.sample_logp, reward=reward,
+                 searches=ep.searches, search_failures=ep.search_failures,
+                 prompt_width=prompt_mask.shape[1], turn_kind=ep.turn_kind,
+                 turn_doc=ep.turn_doc, turn_label=labels, routes=state.routes)
+
+
+def _group_ids(b: int, group_ids: Array | None) -> Array:
+  return jnp.arange(b, dtype=jnp.int32) if group_ids is None else jnp.asarray(group_ids,
+                                                                              jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def ingraph_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array,
+                    prompt_mask: Array, rng: Array, index: BM25Index | SparseBM25Index,
+                    gold: Array,
+                    group_ids: Array | None = None, forced: Array | None = None,
+                    forced_length: Array | None = None, gold_docs: Array | None = None,
+                    text: TokenText | None = None) -> Rollout:
+  """The whole multi-turn rollout as one XLA program, retrieving from a device index.
+
+  Args:
+    sampler: sampling settings (static).
+    env: environment settings (static).
+    params: policy parameters.
+    prompts: `i32[B, P]` left-padded prompts; `prompt_mask: bool[B, P]`.
+    rng: PRNG key (turn k uses `fold_in(rng, k)`).
+    index: the device-resident BM25 index (`BM25Index` or `SparseBM25Index`).
+    gold: `i32[B, G, L]` tokenised gold answers (-1 padded) for the token-level reward;
+      with text tags their normalised bytes (`batch.gold_text_batch`) for the text-level one.
+    group_ids: `i32[B]` (default: each row its own group).
+    forced: optional `i32[max_turns, B, La]` actions to force instead of sampling, with
+      `forced_length: i32[max_turns, B]` (for replaying oracle trajectories).
+    gold_docs: optional `i32[B, H]` chain documents (`gold_chain.gold_doc_batch`): the
+      rollout then labels its turns (`Rollout.turn_label`).
+    text: the vocabulary's `TokenText`, needed where the tags are several tokens: turns end
+      and are classified on their text, queries are the tokens holding the query's bytes,
+      and the reward is the exact match of the last answer span (as `host_rollout`'s).
+
+  Returns:
+    A `Rollout`.
+  """
+  _check_text(env, text)
+  ep = _start(sampler, env, params, prompts, prompt_mask)
+
+  def body(carry):
+    ep, turn = carry
+    f = None if forced is None else (forced[turn], forced_length[turn])
+    ep, kind, query = _act(sampler, env, params, ep, jax.random.fold_in(rng, turn), turn,
+                           *(f or (None, None)), text=text, gold=gold)
+    _, doc_ids = index.search(query, env.top_k)
+    docs, lengths = index.documents(doc_ids)  # [B, k, L], [B, k]
+    ep = _observe(sampler, env, params, ep, kind, turn, docs, lengths,
+                  jnp.zeros(kind.shape, bool), doc_ids[:, 0])
+    return ep, turn + 1
+
+  ep, _ = jax.lax.while_loop(lambda c: jnp.any(~c[0].done) & (c[1] < env.max_turns), body,
+                             (ep, jnp.int32(0)))
+  reward = ep.reward if env.text_tags else rewards.token_answer_reward(
+      ep.decode.tokens, ep.decode.sampled, env.answer_open, env.answer_close, gold,
+      env.ignore_ids)
+  return _finish(ep, prompt_mask, _group_ids(prompts.shape[0], group_ids), reward, gold_docs)
+
+
+def _document_tokens(doc: Document, encode: Callable[[str], list[int]], limit: int
+                     ) -> list[int]:
+  """The first `limit` tokens of `doc`'s observation text, without encoding all of a long one.
+
+  Only `limit` tokens of a document can be shown, so a prefix of the text is encoded, doubled
+  until it gives more than `limit` tokens (the token at the cut, which a longer text could
+  merge differently, is never kept) or is the whole text.
+  """
+  text = observations.format_document(doc)
+  chars = 16 * limit
+  while True:
+    tokens = encode(text[:chars])
+    if len(tokens) > limit or chars >= len(text):
+      return tokens[:limit]
+    chars *= 2
+
+
+def _host_retrieve(retriever: Any, queries: list[list[int]], texts: list[str], k: int,
+                   limit: int, encode: Callable[[str], list[int]]
+                   ) -> tuple[list[list[list[int]]], list[int], bool]:
+  """Documents' observation tokens per query (at most `limit` each), each query's top
+  document id (-1 when it is not a number, or none came back) and whether retrieval failed.
+  The query is its token ids for a retriever with `retrieve_ids`, else its text."""
+  try:
+    if hasattr(retriever, "retrieve_ids"):
+      results = retriever.retrieve_ids(queries, k)
+    else:
+      results = retriever.retrieve(texts, k)
+  except RetrievalError as err:
+    notice = Document(id="", contents=f"Search failed: {err.reason}.", score=0.0)
+    failure = [_document_tokens(notice, encode, limit)]
+    return [failure for _ in queries], [-1] * len(queries), True
+  top = [int(docs[0].id) if docs and str(docs[0].id).isdigit() else -1 for docs in results]
+  return ([[_document_tokens(d, encode, limit) for d in docs] for docs in results], top, False)
+
+
+def _query_text(action_tokens: np.ndarray, decoded_query: str,
+                decode: Callable[[Sequence[int]], str]) -> str:
+  """The query of a search turn, as `actions.parse_action` reads it from the turn's text
+  (the decoded query tokens where it does not read a search: a Unicode space the device rules
+  do not count as whitespace)."""
+  action = actions.parse_action(decode(action_tokens), max_query_chars=sys.maxsize)
+  return action.content if action.kind == actions.SEARCH else decoded_query.strip()
+
+
+def _pad_docs(docs: list[list[list[int]]], k: int, width: int) -> tuple[np.ndarray, np.ndarray]:
+  """`(tokens i32[B, k, width], lengths i32[B, k])`; one width for every turn, so the
+  observation program compiles once."""
+  tokens = np.full((len(docs), k, width), -1, np.int32)
+  lengths = np.zeros((len(docs), k), np.int32)
+  for b, row in enumerate(docs):
+    for i, d in enumerate(row[:k]):
+      tokens[b, i, :len(d)] = d
+      lengths[b, i] = len(d)
+  return tokens, lengths
+
+
+def host_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array, prompt_mask: Array,
+                 rng: Array, retriever: Any, encode: Callable[[str], list[int]],
+                 decode: Callable[[Sequence[int]], str], golden_answers: Sequence[Sequence[str]],
+                 group_ids: Array | None = None, forced: Array | None = None,
+                 forced_length: Array | None = None, gold_docs: Array | None = None,
+                 text: TokenText | None = None) -> Rollout:
+  """The same episode as `ingraph_rollout`, with a host turn loop around any `Retriever`.
+
+  Queries go to `retriever.retrieve_ids` when it has one (token-level, e.g. a
+  `TokenBM25Retriever`), else to `retrieve` as text: the decoded query tokens, or with text
+  tags the query `actions.parse_action` reads from the decoded turn. A `RetrievalError`
+  becomes a failure observation and is counted in `Rollout.search_failures`; the episode goes
+  on. A document is encoded only as far as an observation can show it
+  (`max_observation_tokens` less the tags), so a 10 MB document costs what a short one does.
+  The reward is text-level: SQuAD exact match of the last `<answer>` in the decoded action
+  tokens. A search's top document is recorded (`Rollout.turn_doc`) when its id is a number.
+  Arguments as in `ingraph_rollout`, plus `encode`/`decode` (the policy's tokenizer), the gold
+  answers as strings and `text` (the vocabulary's `TokenText`, needed with text tags).
+  """
+  _check_text(env, text)
+  ep = _start(sampler, env, params, prompts, prompt_mask)
+  # The most document tokens an observation shows.
+  doc_limit = (env.max_observation_tokens - len(env.tag_tokens("info_open"))
+               - len(env.tag_tokens("info_close")))
+  for turn in range(env.max_turns):
+    if bool(jnp.all(ep.done)):
+      break
+    f = () if forced is None else (forced[turn], forced_length[turn])
+    ep, kind, query = _act(sampler, env, params, ep, jax.random.fold_in(rng, turn),
+                           jnp.int32(turn), *f, text=text)
+    kind_np, query_np = np.asarray(kind), np.asarray(query)
+    searching = np.flatnonzero(kind_np == KIND_SEARCH)
+    docs: list[list[list[int]]] = [[] for _ in kind_np]
+    failed = np.zeros(kind_np.shape, bool)
+    top_doc = np.full(kind_np.shape, -1, np.int32)
+    if searching.size:
+      ids = [[int(t) for t in query_np[i] if t >= 0] for i in searching]
+      texts = [decode(q) for q in ids]
+      if env.text_tags:
+        tokens, turn_ids = np.asarray(ep.decode.tokens), np.asarray(ep.turn_ids)
+        texts = [_query_text(tokens[i][turn_ids[i] == turn], q, decode)
+                 for i, q in zip(searching, texts)]
+      got, top, fail = _host_retrieve(retriever, ids, texts, env.top_k, doc_limit, encode)
+      for i, row, doc in zip(searching, got, top):
+        docs[i], top_doc[i], failed[i] = row, doc, fail
+    doc_tokens, doc_lengths = _pad_docs(docs, env.top_k, doc_limit)
+    ep = _observe(sampler, env, params, ep, kind, jnp.int32(turn), doc_tokens, doc_lengths,
+                  failed, top_doc)
+  tokens = np.asarray(ep.decode.tokens)
+  turn_ids = np.asarray(ep.turn_ids)
+  reward = np.zeros(tokens.shape[0], np.float32)
+  for b, golds in enumerate(golden_answers):
+    segments = [decode(tokens[b][turn_ids[b] == k]) for k in range(int(ep.num_turns[b]))]
+    reward[b] = rewards.trajectory_reward(segments, golds)
+  return _finish(ep, prompt_mask, _group_ids(prompts.shape[0], group_ids), jnp.asarray(reward),
+                 gold_docs)

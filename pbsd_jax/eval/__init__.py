@@ -1,0 +1,1 @@
+"""Evaluation: accuracy, pass@k, tiers, metric log, report and results."""

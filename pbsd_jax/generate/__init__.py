@@ -1,0 +1,1 @@
+"""Sampling from the model: prefill, append, decode loop, stop strings on device."""

@@ -1,0 +1,1 @@
+"""Reinforcement learning: likelihoods, the PBSD credit, algorithms, the learner."""

@@ -1,0 +1,140 @@
+"""The evidence pass: a rollout's fresh pre-update scores, what the algorithm's advantages read.
+
+docs/design.md §2 "Non-replay evidence recomputation": the trainer scores the trajectories with the
+current (pre-update) parameters, never with the sampler's log-probs, under `stop_gradient`:
+
+- `dual_logprobs` (student and teacher in one batched pass) when the algorithm reads the
+  teacher log-probs (PBSD, RLSD);
+- `token_divergence` (one student and one teacher forward, giving divergence, entropy and the
+  student's log-probs together) when it reads the divergence or the entropy (GEAR);
+- the student pass alone otherwise (GRPO, OPSD: the PPO "old" log-probs).
+
+Routing is fresh in every pass; only an algorithm with `replay_routing` (PBSD's MoE ablation)
+scores under the routes the sampler recorded (`Rollout.routes`): the student's on every column,
+and the same on the teacher's trajectory columns, its privileged prompt routed afresh.
+
+`score_student=False` leaves the student log-probs out where only they would need a pass of
+their own (the learner's on-policy plan takes them from the update's own forward). Every score
+starts at the rollout's prompt width: action tokens lie in the trajectory, so the LM head never
+runs on the prompt region.
+
+Token layout and padding: docs/design.md §3 (`pbsd_jax.agent.rollout`); per-token arrays are `[B, T]`,
+aligned like `likelihood.token_logprobs`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from pbsd_jax.agent import privileged
+from pbsd_jax.models import ModelConfig
+from pbsd_jax.rl import likelihood
+from pbsd_jax.rl.algorithms import AdvantageInputs
+
+Array = jax.Array
+
+
+@struct.dataclass
+class PolicyBatch:
+  """What the policy-gradient update trains on (all `[B, T]`, the rollout's columns).
+
+  Attributes:
+    tokens, mask: the student sequence (ordinary prompt) and its real tokens.
+    teacher_tokens, teacher_mask: the same trajectory under the privileged prompt (used by
+      distillation losses).
+    action_mask: `bool` tokens the policy sampled (the entropy metric's tokens).
+    inputs: the algorithm's `AdvantageInputs`; `inputs.logp_student` is the pre-update
+      student log-probs, the PPO ratio's base (None when the update's own forward supplies
+      them: `UpdatePlan.on_policy`).
+    score_from: static first column the loss and the entropy metric read (the rollout's
+      prompt width), so the update's LM head skips the prompt region. 1 scores every column.
+    turn_label: `i32[B, K]` the rollout's turn labels (`credit_quality`), or None: the
+      credit-quality metrics, never the loss.
+  """
+
+  tokens: Array
+  mask: Array
+  teacher_tokens: Array
+  teacher_mask: Array
+  action_mask: Array
+  inputs: AdvantageInputs
+  score_from: int = struct.field(pytree_node=False, default=1)
+  turn_label: Array | None = None
+
+
+def policy_batch(params: Any, rollout: Any, teacher_prompt: Array, teacher_prompt_mask: Array,
+                 step: Array, *, config: ModelConfig, algo: Any, max_turns: int,
+                 chunk_size: int | None = None, score_student: bool = True) -> PolicyBatch:
+  """The evidence pass of a rollout (module docstring): its `PolicyBatch`.
+
+  Args:
+    params: the pre-update parameters.
+    rollout: a `pbsd_jax.agent.rollout.Rollout` (tokens, action_mask, turn_ids, reward, mask).
+    teacher_prompt: `i32[B, P]` left-padded privileged prompts (`privileged.dual_prompts`).
+    teacher_prompt_mask: `bool[B, P]`.
+    step: `i32[]` the train step (the algorithm's schedules).
+    config: the model config.
+    algo: a `pbsd_jax.rl.algorithms` algorithm (its `needs`).
+    max_turns: K, the rollout's static number of turn slots.
+    chunk_size: LM-head chunk over the sequence.
+    score_student: False: no pass of its own for the student log-probs (module docstring).
+  """
+  tokens, mask = rollout.tokens, rollout.mask
+  teacher_tokens, teacher_mask = privileged.teacher_sequence(tokens, mask, teacher_prompt,
+                                                             teacher_prompt_mask)
+  score_from = rollout.prompt_width
+  logp_student = logp_teacher = divergence = entropy = None
+  routes = replayed_routes(rollout) if getattr(algo, "replay_routing", False) else None
+  if "logp_teacher" in algo.needs:
+    if score_student:
+      logp_student, logp_teacher = likelihood.dual_logprobs(
+          params, config, tokens, mask, teacher_tokens, teacher_mask, chunk_size=chunk_size,
+          routes=routes, score_from=score_from)
+    else:
+      logp_teacher = likelihood.token_logprobs(
+          params, config, teacher_tokens, teacher_mask, chunk_size=chunk_size,
+          routes=None if routes is None else routes[1], score_from=score_from)
+  if algo.needs & {"divergence", "entropy"}:
+    scores = likelihood.token_divergence(params, params, config, tokens, mask, teacher_tokens,
+                                         teacher_mask, beta=1.0, chunk_size=chunk_size,
+                                         score_from=score_from)
+    divergence, entropy = scores.divergence, scores.entropy
+    if score_student and logp_student is None:
+      logp_student = scores.logp
+  if score_student and logp_student is None:
+    logp_student = likelihood.token_logprobs(params, config, tokens, mask,
+                                             chunk_size=chunk_size, score_from=score_from)
+  inputs = AdvantageInputs(rewards=rollout.reward, action_mask=rollout.action_mask,
+                           turn_ids=rollout.turn_ids, step=step, max_turns=max_turns,
+                           logp_student=logp_student, logp_teacher=logp_teacher,
+                           divergence=divergence, entropy=entropy)
+  return PolicyBatch(tokens=tokens, mask=mask, teacher_tokens=teacher_tokens,
+                     teacher_mask=teacher_mask, action_mask=rollout.action_mask.astype(bool),
+                     inputs=jax.lax.stop_gradient(inputs), score_from=score_from,
+                     turn_label=getattr(rollout, "turn_label", None))
+
+
+def replayed_routes(rollout: Any) -> Array:
+  """`i32[2, layers, B, T, k]` the student's and the teacher's routes to replay: the sampler's
+  (`rollout.routes`), with -1 (route afresh) on the teacher's privileged prompt columns."""
+  if getattr(rollout, "routes", None) is None:
+    raise ValueError("replay_routing needs the sampler's routes: the rollout recorded none "
+                     "(Sampler.record_routes)")
+  student = jnp.moveaxis(rollout.routes, 2, 0)  # [layers, B, T, k]
+  prompt = jnp.arange(student.shape[2])[None, None, :, None] < rollout.prompt_width
+  return jnp.stack([student, jnp.where(prompt, -1, student)])
+
+
+def rollout_metrics(rollout: Any) -> dict:
+  """`accuracy` (mean reward), `mean_turns` and `mean_action_tokens` of a rollout, and its
+  `searches` and `failed_searches` (counts over the batch)."""
+  mean = lambda x: jnp.mean(x.astype(jnp.float32))
+  total = lambda x: jnp.sum(x.astype(jnp.float32))
+  return {"accuracy": mean(rollout.reward), "mean_turns": mean(rollout.num_turns),
+          "mean_action_tokens": mean(rollout.num_action_tokens),
+          "searches": total(rollout.searches), "failed_searches": total(rollout.search_failures)}
+

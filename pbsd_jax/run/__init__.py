@@ -1,0 +1,1 @@
+"""Running: the run configuration, the loop, the task, checkpoints, the CLI."""

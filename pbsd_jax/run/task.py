@@ -1,0 +1,451 @@
+"""The task a run trains and evaluates on: data, vocabulary, environment, retriever, batches.
+
+`prepare_task` reads (or makes) the dataset `config.data` names and builds the environment
+and retrievers; `load_policy` adds a checkpoint's policy for evaluation. The batches are pure
+functions of the records, the seed and the step: `rl_prompts` (which questions RL step k
+samples, each repeated G times), `rl_batch` (their student and teacher prompt regions and
+gold answer tokens) and `sft_sequences` (oracle trajectories replayed through the
+environment). Nothing here trains: evaluation scripts import this module, not the loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+import shutil
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from pbsd_jax import protocol
+from pbsd_jax.agent.batch import forced_batch, prompt_region, reward_gold
+from pbsd_jax.agent.env.agent_env import AgentEnv
+from pbsd_jax.agent.env.bm25 import BM25Index
+from pbsd_jax.agent.env.sparse_bm25 import INDEX_FILE as SPARSE_INDEX_FILE, SparseBM25Index
+from pbsd_jax.agent.gold_chain import gold_doc_batch
+from pbsd_jax.agent.rollout import ingraph_rollout
+from pbsd_jax.generate.sampling import Sampler
+from pbsd_jax.models import ModelConfig, init_params, param_shardings
+from pbsd_jax.parallel import sharding
+from pbsd_jax.run import policy_checkpoint, run_config
+
+
+_OBSERVATION = re.compile(re.escape(protocol.INFO_OPEN) + "(.*?)" + re.escape(protocol.INFO_CLOSE),
+                          re.S)
+
+
+@dataclasses.dataclass
+class Task:
+  """The task ready for the loop.
+
+  Attributes:
+    vocab: the seqio vocabulary: the embedded task's SentencePiece model (single-token tags),
+      or the model's own tokenizer (`config.model.init_dir`; tags of several tokens).
+    env: the environment settings.
+    retriever: the `Retriever` host rollouts call: the token BM25 over the corpus, a `bm25s`
+      index or a retrieval server.
+    index: the device index in-graph rollouts search (`BM25Index`, or `SparseBM25Index`:
+      `config.env.index`), None where there is none (a `bm25s` or HTTP retriever).
+    splits: records by split: `rl_train`, `rl_validation`, `sft` (and `ood` in the embedded
+      task).
+    chat: renders a user message as the model's prompt (its chat template), or None.
+    text: the vocabulary's `TokenText` when the tags are several tokens, else None.
+  """
+
+  vocab: Any
+  env: AgentEnv
+  retriever: Any
+  index: BM25Index | SparseBM25Index | None
+  splits: dict[str, list[dict]]
+  chat: Callable[[str], str] | None = None
+  text: Any = None
+
+  def encode(self, text: str) -> list[int]:
+    return list(self.vocab.encode(text))
+
+  def decode(self, ids) -> str:
+    return self.vocab.decode([int(i) for i in ids])
+
+  def gold(self, golden_answers: list[list[str]], width: int, num: int | None = None
+           ) -> np.ndarray:
+    """The gold of the in-graph reward for this vocabulary (`batch.reward_gold`)."""
+    return reward_gold(golden_answers, self.encode, width, num,
+                       text_tags=self.text is not None)
+
+  @property
+  def rollout_args(self) -> dict:
+    """What `evaluate.evaluate` needs to roll out on this task: in-graph over `index` when
+    there is one, else through `retriever` in the host loop."""
+    return dict(encode=self.encode, index=self.retriever if self.index is None else self.index,
+                decode=self.decode, text=self.text, chat=self.chat)
+
+  @functools.cached_property
+  def rl_widths(self) -> tuple[int, int | None]:
+    """`rl_train`'s most golden answers and most hops (None unless every record has a gold
+    chain): the widths that give every RL batch one shape."""
+    train = self.splits["rl_train"]
+    hops = max(r["hops"] for r in train) if all("chain" in r for r in train) else None
+    return max(len(r["golden_answers"]) for r in train), hops
+
+  def records(self, name: str) -> list[dict]:
+    """A split by name, or the questions of a Search-R1 `.jsonl` / `.parquet` file."""
+    from pbsd_jax.data.records import read_records
+    if name in self.splits:
+      return self.splits[name]
+    if name.endswith((".jsonl", ".json", ".parquet")):
+      return read_records(name)
+    raise ValueError(f"{name!r} is neither a split ({sorted(self.splits)}) nor a "
+                     ".jsonl/.parquet file")
+
+
+def _files(value: str) -> list[str]:
+  return [f.strip() for f in value.split(",") if f.strip()]
+
+
+def _user_records(config, field: str, vocab: Any) -> list[dict]:
+  """The records of the comma-separated files of `config.data.<field>`: questions through the
+  seqio tasks of `data.tasks` (validated when registered), SFT trajectories
+  (`records.TRAJECTORY_FIELDS`) read directly."""
+  from pbsd_jax.data import records as records_lib, tasks
+  records = []
+  for i, path in enumerate(_files(config.data[field])):
+    try:
+      if field == "sft_files":
+        records += records_lib.read_records(path, records_lib.TRAJECTORY_FIELDS)
+      else:
+        records += tasks.user_records(
+            f"pbsd_user_{field}_{i}", path, vocab,
+            protocol.PROMPT_TEMPLATES[config.data.prompt_template])
+    except (FileNotFoundError, ValueError) as err:
+      raise run_config.ConfigError(f"config.data.{field}: {err}") from None
+  return records
+
+
+def _model_vocabulary(config):
+  """The tokenizer and chat template of `config.model.init_dir`, or `(None, None)` when the
+  directory holds no tokenizer (a checkpoint of the embedded task's model)."""
+  from pbsd_jax.data import vocab as vocab_lib
+  from pbsd_jax.models.hf import chat_template
+  directory = config.model.init_dir and policy_checkpoint.tokenizer_dir(config.model.init_dir)
+  if not directory:
+    return None, None
+  try:
+    vocab = vocab_lib.model_vocabulary(directory)
+  except (FileNotFoundError, ValueError) as err:
+    raise run_config.ConfigError(f"config.model.init_dir={config.model.init_dir!r}: {err}"
+                                 ) from None
+  if not config.data.chat_template:
+    return vocab, None
+  try:
+    chat_template.chat_template_source(directory)
+  except ValueError as err:
+    raise run_config.ConfigError(
+        f"config.model.init_dir={config.model.init_dir!r}: {err}; set "
+        "config.data.chat_template=False for a plain prompt") from None
+  return vocab, lambda message: chat_template.apply_chat_template(
+      directory, [{"role": "user", "content": message}], add_generation_prompt=True)
+
+
+def save_tokenizer(config, workdir: str) -> None:
+  """Copies `config.model.init_dir`'s tokenizer files to `<workdir>/tokenizer/`, where
+  `policy_checkpoint.tokenizer_dir` finds them for the run's own checkpoints
+  (`<workdir>/ckpt_*`)."""
+  source = config.model.init_dir and policy_checkpoint.tokenizer_dir(config.model.init_dir)
+  target = os.path.join(workdir, "tokenizer")
+  if not source or os.path.abspath(source) == os.path.abspath(target):
+    return
+  os.makedirs(target, exist_ok=True)
+  for name in (*policy_checkpoint.TOKENIZER_FILES, *policy_checkpoint.TOKENIZER_CONFIG_FILES):
+    if os.path.isfile(os.path.join(source, name)):
+      shutil.copy2(os.path.join(source, name), os.path.join(target, name))
+
+
+def _probe(retriever, url: str) -> None:
+  """Fails in one line, at start-up, when the retrieval server does not answer."""
+  from pbsd_jax.agent.env.http import HttpRetriever
+  from pbsd_jax.agent.env.retriever import RetrievalError
+  try:
+    HttpRetriever(url, timeout_s=retriever.timeout_s, max_retries=0).retrieve(["probe"], 1)
+  except RetrievalError as err:
+    raise run_config.ConfigError(f"config.env.url={url!r}: the retrieval server does not "
+                                 f"answer ({err.reason})") from None
+
+
+def _check_manifest(config, path: str) -> None:
+  """A dataset made with other generator arguments than the `data` section's fails naming
+  the first field that differs (the field would otherwise change nothing)."""
+  with open(path) as f:
+    made = json.load(f)
+  args = run_config.dataset_args(config)
+  for field, want, got in (
+      ("data_seed", args["seed"], made["seed"]),
+      ("family_rate", args["world_sizes"].family_rate, made["world_sizes"]["family_rate"]),
+      ("detour_share", args["detour_share"], made["detour_share"]),
+      ("hop_weights", list(args["split_sizes"].hop_weights),
+       made["split_sizes"]["hop_weights"])):
+    if want != got:
+      raise run_config.ConfigError(
+          f"config.data.{field}={config.data[field]!r}: the dataset in {os.path.dirname(path)} "
+          f"was made with {got!r} (make another data.dir, or set the field to match)")
+
+
+def prepare_task(config, workdir: str) -> Task:
+  """Reads the questions, the vocabulary and the corpus `config` names and builds the
+  environment and retrievers.
+
+  Questions: `config.data.train_files` / `eval_files` / `sft_files` (Search-R1 JSONL or parquet;
+  SFT records hold trajectories), else the embedded dataset in `config.data.dir` (made there
+  if missing). Vocabulary: `config.model.init_dir`'s tokenizer and chat template when it has
+  them, else the embedded SentencePiece model. Retrieval (`config.env.retriever`): the token
+  BM25 over the corpus (`ingraph`, `host`; `config.data.corpus` or the embedded corpus), a
+  `bm25s` index (`config.env.index_dir`, else built from the corpus), or a retrieval server
+  (`http`, probed here). No device index is built for `bm25s` or `http`.
+
+  Raises:
+    run_config.ConfigError: naming the field, for anything that cannot run.
+  """
+  from pbsd_jax.data import vocab as vocab_lib  # seqio/TensorFlow: the data pipeline only
+  from pbsd_jax.data.build import make_dataset
+  from pbsd_jax.data.records import read_records
+  from pbsd_jax.agent.env import token_text
+  from pbsd_jax.agent.env.host_bm25 import HostBM25Retriever, read_corpus
+  from pbsd_jax.agent.env.http import HttpRetriever
+  from pbsd_jax.agent.env.token_retriever import TokenBM25Retriever
+
+  user_data = bool(config.data.train_files)
+  vocab, chat = _model_vocabulary(config)
+  if vocab is None and user_data:
+    raise run_config.ConfigError(
+        f"config.model.init_dir={config.model.init_dir!r}: data.train_files needs a model "
+        "with its tokenizer (a scripts/convert_hf.py output)")
+  splits, corpus = {}, config.data.corpus
+  if user_data:
+    splits = {split: _user_records(config, field, vocab) if config.data[field] else []
+              for split, field in (("rl_train", "train_files"), ("rl_validation", "eval_files"),
+                                   ("sft", "sft_files"))}
+  else:
+    data_dir = config.data.dir or os.path.join(workdir, "data")
+    manifest = os.path.join(data_dir, "manifest.json")
+    if not os.path.exists(manifest):
+      if not config.data.make_if_missing:
+        raise FileNotFoundError(f"config.data.dir={data_dir!r} holds no dataset "
+                                "(manifest.json is missing); run scripts/make_data.py")
+      make_dataset(data_dir, **run_config.dataset_args(config))
+    else:
+      _check_manifest(config, manifest)
+    splits = {name: read_records(os.path.join(data_dir, f"{name}.jsonl"))
+              for name in ("rl_train", "rl_validation", "sft", "ood")}
+    pool = os.path.join(data_dir, "ood_pool.jsonl")  # datasets made before it have none
+    if os.path.exists(pool):
+      splits["ood_pool"] = read_records(pool)
+    corpus = corpus or os.path.join(data_dir, "corpus.jsonl")
+    if vocab is None:
+      vocab = vocab_lib.sentencepiece_vocabulary(os.path.join(data_dir, "spm.model"))
+  env = AgentEnv.from_vocab(vocab, ignore_ids=vocab_lib.whitespace_ids(vocab),
+                            **{f: config.env[f] for f in run_config.ENV_FIELDS})
+  text = (token_text.build(vocab_lib.token_bytes(vocab), (vocab.eos_id, vocab.pad_id))
+          if env.text_tags else None)
+  kind, index = config.env.retriever, None
+  if kind in ("ingraph", "host", "bm25s") and not (corpus or config.env.index_dir):
+    raise run_config.ConfigError(f"config.env.retriever={kind!r} needs config.data.corpus "
+                                 "(a corpus JSONL with 'id' and 'contents')")
+  try:
+    # The token BM25 for the in-graph and host retrievers; the embedded task keeps it for
+    # any retriever (its SFT replays and evaluation search in-graph, as in training).
+    if kind in ("ingraph", "host") or not user_data:
+      ids, contents = read_corpus(corpus)
+      index = _token_index(config, kind, ids, contents, vocab)
+      retriever = TokenBM25Retriever(index, lambda t: list(vocab.encode(t)), contents, ids)
+    if kind == "bm25s":
+      retriever = (HostBM25Retriever.load(config.env.index_dir) if config.env.index_dir
+                   else HostBM25Retriever.from_jsonl(corpus))
+    elif kind == "http":
+      retriever = HttpRetriever(config.env.url, timeout_s=config.env.timeout_s,
+                                max_retries=config.env.max_retries)
+      _probe(retriever, config.env.url)
+  except (FileNotFoundError, ValueError) as err:
+    if isinstance(err, run_config.ConfigError):
+      raise
+    field = "env.index_dir" if config.env.index_dir and kind != "http" else "data.corpus"
+    raise run_config.ConfigError(f"config.{field}: {err}") from None
+  task = Task(vocab, env, retriever, index, splits, chat, text)
+  if user_data:
+    _check_prompts(task, config)
+  return task
+
+
+def _token_index(config, kind: str, ids: list[str], contents: list[str], vocab: Any
+                 ) -> BM25Index | SparseBM25Index:
+  """The in-graph index of the corpus: `config.env.index_dir`'s sparse index
+  (`scripts/build_index.py --tokenizer`) for the `ingraph` and `host` retrievers, else built
+  here (`config.env.index`: dense, or sparse with a shard per device). A sparse index is
+  placed shard by shard over every device of the run's mesh."""
+  from pbsd_jax.agent.env.token_retriever import build_index
+  from pbsd_jax.data import vocab as vocab_lib
+  saved = os.path.join(config.env.index_dir, SPARSE_INDEX_FILE)
+  if config.env.index_dir and kind in ("ingraph", "host"):
+    index = SparseBM25Index.load(saved)
+    if index.num_docs != len(contents):
+      raise ValueError(f"{saved} indexes {index.num_docs} documents, the corpus has "
+                       f"{len(contents)}")
+  else:
+    index = build_index(contents, lambda t: list(vocab.encode(t)), vocab.vocab_size, ids,
+                        ignore_ids=vocab_lib.non_term_ids(vocab),
+                        sparse_shards=jax.device_count() if config.env.index == "sparse" else 0)
+  if isinstance(index, SparseBM25Index):
+    index = index.shard(run_config.build_mesh(config), sharding.MESH_AXES)
+  return index
+
+
+def _check_prompts(task: Task, config) -> None:
+  """Every user question's student and teacher prompts fit `config.data.prompt_width`, checked
+  once at start-up (the embedded task's fit by construction)."""
+  template = protocol.PROMPT_TEMPLATES[config.data.prompt_template]
+  for split, field in (("rl_train", "train_files"), ("rl_validation", "eval_files")):
+    records = task.splits[split]
+    for start in range(0, len(records), 1024):
+      chunk = records[start:start + 1024]
+      try:
+        prompt_region([r["question"] for r in chunk], task.encode, config.data.prompt_width,
+                      template, answers=[r["golden_answers"][0] for r in chunk],
+                      chat=task.chat)
+      except ValueError as err:
+        message = re.sub(r"(record|prompt) (\d+)",
+                         lambda m: f"question {start + int(m.group(2))}", str(err))
+        raise run_config.ConfigError(f"config.data.prompt_width={config.data.prompt_width}: "
+                                     f"data.{field}: {message}") from None
+
+
+def load_policy(config, ckpt_dir: str, step: int | None, workdir: str, mesh: Any = None
+                ) -> tuple[Task, ModelConfig, Any, int | None]:
+  """The task and a checkpoint's policy, for evaluation: `(task, model, params, step)`.
+
+  A missing checkpoint fails before any data is read. The model config is the checkpoint's
+  `model_config.json` when there is one, else `config.model`. With a `mesh`, the params are
+  read straight into their shardings on it (after `run_config.check_param_sharding`).
+  """
+  from pbsd_jax.parallel import sharding
+  policy_checkpoint.params_path(ckpt_dir, step)
+  task = prepare_task(config, workdir)
+  model = (policy_checkpoint.find_model_config(ckpt_dir)
+           or run_config.build_model_config(config, task.vocab.vocab_size))
+  shardings = None
+  if mesh is not None:
+    run_config.check_param_sharding(model, mesh)
+    shardings = param_shardings(model, mesh)
+  params, step = policy_checkpoint.restore_params(ckpt_dir, step, sharding=shardings)
+  return task, model, params, step
+
+
+def _trajectory_tokens(trajectory: str, task: Task) -> tuple[list[int], list[bool]]:
+  """A user trajectory as a rollout holds it: `(ids, trained)`. The text between
+  observations is the policy's (trained on), each encoded on its own and cut after its last
+  closing tag's trailing whitespace where an observation follows (a turn ends at the tag);
+  each `<information>...</information>` observation is the environment's tags around its
+  encoded body (never trained on)."""
+  ids, trained, pos = [], [], 0
+  open_ids, close_ids = task.env.tag_tokens("info_open"), task.env.tag_tokens("info_close")
+  for match in _OBSERVATION.finditer(trajectory):
+    action = task.encode(trajectory[pos:match.start()].rstrip())
+    body = task.encode(match.group(1))
+    ids += action + list(open_ids) + body + list(close_ids)
+    trained += [True] * len(action) + [False] * (len(open_ids) + len(body) + len(close_ids))
+    pos = match.end()
+  action = task.encode(trajectory[pos:])
+  return ids + action, trained + [True] * len(action)
+
+
+def trajectory_sequences(task: Task, records: list[dict], config
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """User SFT trajectories (`question`, `trajectory`) in the rollout layout: `(tokens, mask,
+  action_mask)`, the prompt region then the trajectory from column P, cropped to the longest.
+
+  Raises:
+    run_config.ConfigError: naming the record whose trajectory does not fit the buffer.
+  """
+  width = config.data.prompt_width
+  region = prompt_region([r["question"] for r in records], task.encode, width,
+                         protocol.PROMPT_TEMPLATES[config.data.prompt_template], chat=task.chat)
+  rows = [_trajectory_tokens(r["trajectory"], task) for r in records]
+  longest = max(len(ids) for ids, _ in rows)
+  if width + longest > task.env.buffer_size:
+    i = next(i for i, (ids, _) in enumerate(rows) if width + len(ids) > task.env.buffer_size)
+    raise run_config.ConfigError(
+        f"config.data.sft_files: record {i}'s trajectory is {len(rows[i][0])} tokens, more "
+        f"than the {task.env.buffer_size - width} after the prompt in env.buffer_size")
+  tokens = np.zeros((len(rows), width + longest), np.int32)
+  mask = np.zeros(tokens.shape, bool)
+  action = np.zeros(tokens.shape, bool)
+  tokens[:, :width], mask[:, :width] = region["prompts"], region["prompt_mask"]
+  for b, (ids, trained) in enumerate(rows):
+    tokens[b, width:width + len(ids)] = ids
+    mask[b, width:width + len(ids)] = True
+    action[b, width:width + len(ids)] = trained
+  return tokens, mask, action
+
+
+def sft_sequences(task: Task, records: list[dict], config, model: ModelConfig,
+                  chunk: int = 256) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """SFT sequences `(tokens, mask, action_mask)`, cropped to the longest (`[N, W]`): user
+  trajectories as written (`trajectory_sequences`), or oracle trajectories replayed through
+  the environment, whose observations are what it returns for the oracle's queries.
+  """
+  if all("trajectory" in r for r in records):
+    return trajectory_sequences(task, records, config)
+  env = task.env
+  sampler = Sampler(model)
+  params = init_params(model, jax.random.key(0))  # forced actions: the weights are unused
+  slots = max(len(r["golden_answers"]) for r in records)  # one gold shape for every chunk
+  out = []
+  for start in range(0, len(records), chunk):
+    rows = records[start:start + chunk]
+    rows = rows + [rows[-1]] * (chunk - len(rows))  # one shape, one compile
+    region = prompt_region([r["question"] for r in rows], task.encode,
+                           config.data.prompt_width,
+                           protocol.PROMPT_TEMPLATES[config.data.prompt_template],
+                           chat=task.chat)
+    forced, lengths = forced_batch([r["actions"] for r in rows], task.encode, env.max_turns,
+                                   env.max_action_tokens)
+    gold = task.gold([r["golden_answers"] for r in rows], config.data.gold_width, slots)
+    rollout = ingraph_rollout(sampler, env, params, region["prompts"], region["prompt_mask"],
+                              jax.random.key(0), task.index, gold, None, forced, lengths,
+                              text=task.text)
+    keep = min(chunk, len(records) - start)
+    out.append(jax.tree.map(lambda x: np.asarray(x)[:keep],
+                            (rollout.tokens, rollout.mask, rollout.action_mask)))
+  tokens, mask, action = (np.concatenate(parts) for parts in zip(*out))
+  width = int(np.max(np.where(mask, np.arange(mask.shape[1]), 0))) + 1
+  return tokens[:, :width], mask[:, :width], action[:, :width]
+
+
+def rl_prompts(task: Task, config, step: int) -> tuple[list[dict], np.ndarray]:
+  """The records of RL step `step`: a seeded pass over `rl_train`, each repeated G times."""
+  records = task.splits["rl_train"]
+  n, group = config.rollout.prompts_per_step, config.grpo.group_size
+  epoch, offset = divmod(step * n, len(records))
+  order = np.random.default_rng([config.seed, epoch]).permutation(len(records))
+  order = np.concatenate([order, np.random.default_rng([config.seed, epoch + 1]).permutation(
+      len(records))])
+  chosen = [records[i] for i in order[offset:offset + n]]
+  return [r for r in chosen for _ in range(group)], np.repeat(np.arange(n), group)
+
+
+def rl_batch(task: Task, config, records: list[dict]) -> dict[str, np.ndarray]:
+  """Student and teacher prompt regions (`prompt_region`) and gold answer tokens for
+  `records`; the teacher is told each record's first gold answer. Records with a gold chain
+  (the embedded task) add its documents, `gold_docs` (`gold_chain.gold_doc_batch`), from
+  which the rollout labels its turns."""
+  region = prompt_region([r["question"] for r in records], task.encode,
+                         config.data.prompt_width,
+                         protocol.PROMPT_TEMPLATES[config.data.prompt_template],
+                         answers=[r["golden_answers"][0] for r in records], chat=task.chat)
+  slots, hops = task.rl_widths  # every step's batch has one shape
+  batch = dict(**region, gold=task.gold([r["golden_answers"] for r in records],
+                                        config.data.gold_width, slots))
+  if hops is not None:
+    batch["gold_docs"] = gold_doc_batch(records, hops)
+  return batch

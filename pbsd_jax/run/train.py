@@ -1,0 +1,401 @@
+"""The training loop: SFT stage, then RL stage, with checkpoints and metrics.
+
+Each stage resumes from its own checkpoint directory (`<workdir>/ckpt_sft`, `<workdir>/ckpt_rl`):
+the `TrainState` (params, optimiser state, step, PRNG key) and the data position. Batches are
+a pure function of the seed and the step (`pbsd_jax.run.task`), so a run killed at any point and
+restarted with the same command ends with exactly the parameters of an uninterrupted run.
+
+One RL step is `rl_iteration`: a rollout function samples the batch, then the update learns
+from it. With the in-graph retriever the whole step -- rollout, reward, dual likelihood,
+credit, update -- is one `jax.jit` program (`make_rl_iteration`), with or without frozen
+teacher parameters; with a host or HTTP retriever the rollout is a host turn loop
+(`host_rollout_fn`) followed by the jitted update (`learner.make_rl_step`).
+
+Faults stay visible: each RL step logs its `searches` and `failed_searches`, and with a host
+retriever that counts its calls (`HttpRetriever.metrics`) the step's `retrieval/calls`,
+`retrieval/failed_calls`, `retrieval/retries` and `retrieval/latency_s`; the progress bar
+shows the run's fault totals once non-zero. A run whose every update was skipped as
+non-finite for `rl.max_skipped_steps` steps in a row stops with one line.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from pbsd_jax import protocol
+from pbsd_jax.agent import privileged
+from pbsd_jax.agent.env.agent_env import AgentEnv
+from pbsd_jax.agent.rollout import Rollout, host_rollout, ingraph_rollout
+from pbsd_jax.eval.metric_log import MetricLog
+from pbsd_jax.generate.sampling import Sampler
+from pbsd_jax.models import ModelConfig, init_params, param_shardings
+from pbsd_jax.parallel import sharding
+from pbsd_jax.rl import learner, train_state
+from pbsd_jax.run import checkpoint, run_config, workdir as workdir_lib
+from pbsd_jax.run.task import Task, rl_batch, rl_prompts, sft_sequences
+
+# `rollout_fn(params, rng, batch, group_ids) -> Rollout`: samples the episodes of one step.
+RolloutFn = Callable[[Any, jax.Array, dict, jax.Array], Rollout]
+
+
+def _checkpointer(config, workdir: str, name: str) -> checkpoint.Checkpointer:
+  c = config.checkpoint
+  return checkpoint.Checkpointer(os.path.join(workdir, name),
+                                 save_interval_steps=c.save_interval_steps,
+                                 max_to_keep=c.max_to_keep, async_save=c.async_save,
+                                 fingerprint=workdir_lib.fingerprint(config))
+
+
+def _resume(ckpt: checkpoint.Checkpointer, state: train_state.TrainState, log: MetricLog,
+            stage: str, force_resume: bool) -> train_state.TrainState:
+  """The newest good checkpoint's state (or `state` for a fresh start); the stage's metric
+  rows after the restored step are dropped, since the run writes them again."""
+  try:
+    restored = ckpt.restore_latest(state, check_fingerprint=not force_resume)
+  except checkpoint.ConfigMismatchError as err:
+    raise SystemExit(f"{err}; pass --force_resume to resume it anyway") from None
+  state = state if restored is None else restored[0]
+  log.drop_after(stage, int(state.step))
+  return state
+
+
+def initial_params(config, model: ModelConfig, mesh: Mesh) -> Any:
+  """The run's starting parameters, created in their shardings on `mesh` (never whole on one
+  device): `config.model.init_dir`'s, read in the run's `param_dtype`, or a seeded random
+  init."""
+  shardings = param_shardings(model, mesh)
+  if config.model.init_dir:
+    from pbsd_jax.run import policy_checkpoint
+    params, _ = policy_checkpoint.restore_params(config.model.init_dir, sharding=shardings,
+                                                 dtype=model.jnp_param_dtype)
+    return params
+  return init_params(model, jax.random.key(config.seed), shardings)
+
+
+def fresh_state(params: Any, tx: optax.GradientTransformation, model: ModelConfig,
+                 mesh: Mesh, seed: int) -> train_state.TrainState:
+  """A step-0 state of `params`, built straight into its shardings on `mesh`."""
+  return train_state.init_train_state(
+      params, tx, jax.random.key(seed),
+      shardings=train_state.train_state_shardings(model, tx, mesh))
+
+
+def sft_stage(config, task: Task, model: ModelConfig, workdir: str, log: MetricLog,
+              mesh: Mesh, progress: Callable = lambda it, **kw: it,
+              force_resume: bool = False) -> train_state.TrainState:
+  """`config.sft.steps` updates of masked NLL on oracle trajectories, under `mesh`
+  (resumable; with `force_resume`, also from checkpoints of another configuration). With
+  `config.eval.sft_every`, greedy validation accuracy is logged (stage `eval_sft`) every that
+  many steps and at the end."""
+  steps = config.sft.steps
+  tx = run_config.build_optimizer(config, "sft")
+  state = fresh_state(initial_params(config, model, mesh), tx, model, mesh, config.seed)
+  with _checkpointer(config, workdir, "ckpt_sft") as ckpt:
+    state = _resume(ckpt, state, log, "sft", force_resume)
+    log.drop_after("eval_sft", int(state.step))
+    if int(state.step) >= steps:
+      return state
+    records = task.splits["sft"][:config.sft.max_examples or None]
+    if len(records) < config.sft.batch_size:
+      raise run_config.ConfigError(
+          f"config.sft.steps={steps}: the SFT split has {len(records)} records, fewer than "
+          f"sft.batch_size={config.sft.batch_size} (user trajectories: data.sft_files)")
+    if config.sft.teacher_fraction and not all("golden_answers" in r for r in records):
+      raise run_config.ConfigError(
+          f"config.sft.teacher_fraction={config.sft.teacher_fraction}: the teacher prompt "
+          "needs each SFT record's golden_answers")
+    rows, teacher_rows, sequences = _local_sft_sequences(config, task, model, records, mesh)
+    step_fn = learner.make_sft_step(model, tx, learner.UpdatePlan(
+        chunk_size=config.rl.chunk_size or None), mesh=mesh)
+    with checkpoint.PreemptionGuard() as guard:
+      for step in progress(range(int(state.step), steps), desc="sft", initial=int(state.step),
+                           total=steps):
+        batch = sharding.shard_process_local_batch(
+            _sft_rows(sequences, rows[step], teacher_rows[step]), mesh, config.sft.batch_size)
+        state, metrics = step_fn(state, *batch)
+        log.write("sft", step + 1, metrics)
+        ckpt.save(state, {"stage": "sft", "step": step + 1}, force=step + 1 == steps)
+        _log_validation(config, task, model, state.params, log, step + 1, "sft")
+        if guard.save_if_requested(ckpt, state, {"stage": "sft", "step": step + 1}):
+          raise SystemExit("preempted: saved the SFT state")
+  return state
+
+
+def _local_sft_sequences(config, task: Task, model: ModelConfig, records: list[dict],
+                         mesh: Mesh) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, ...]]:
+  """This process's rows of every SFT step and their oracle sequences, replayed once.
+
+  Step s draws `config.sft.batch_size` records seeded by `(seed, s)`, then (with
+  `sft.teacher_fraction` > 0, from the same generator) which of its rows are trained on the
+  teacher's privileged prompt; the process feeds its block of them (`process_batch_rows`).
+  Only the records some step of this process feeds are replayed, and the sequences are padded
+  to the longest over all processes, so every process's arrays have one width.
+
+  Returns:
+    `rows[s]` (indices into the sequences), `teacher_rows[s]` (bool, the rows on the teacher
+    prompt) and the needed records' `(tokens, mask, action_mask)` (`sft_sequences`), with
+    their teacher view `(tokens, mask)` (`privileged.teacher_sequence` of `rl_batch`'s
+    privileged prompts) when some row needs it.
+  """
+  size, fraction = config.sft.batch_size, config.sft.teacher_fraction
+  local = sharding.process_batch_rows(size, mesh)
+  drawn, on_teacher = [], []
+  for step in range(config.sft.steps):
+    rng = np.random.default_rng([config.seed, step])
+    drawn.append(rng.choice(len(records), size, replace=False)[local])
+    on_teacher.append((rng.random(size) < fraction)[local] if fraction
+                      else np.zeros(len(drawn[-1]), bool))
+  drawn = np.stack(drawn)
+  needed, rows = np.unique(drawn, return_inverse=True)
+  needed_records = [records[i] for i in needed]
+  sequences = sft_sequences(task, needed_records, config, model)
+  width = sequences[0].shape[1]
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    width = int(np.max(multihost_utils.process_allgather(np.int32(width))))
+  pad = ((0, 0), (0, width - sequences[0].shape[1]))
+  sequences = tuple(np.pad(x, pad) for x in sequences)
+  if fraction:
+    region = rl_batch(task, config, needed_records)
+    sequences += tuple(np.asarray(x) for x in privileged.teacher_sequence(
+        sequences[0], sequences[1], region["teacher_prompt"], region["teacher_prompt_mask"]))
+  return rows.reshape(drawn.shape), np.stack(on_teacher), sequences
+
+
+def _sft_rows(sequences: tuple[np.ndarray, ...], rows: np.ndarray, on_teacher: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """One SFT batch `(tokens, mask, loss_mask)`: `rows` of the sequences, the `on_teacher`
+  rows in their teacher view (the same trajectory after the privileged prompt)."""
+  tokens, mask, action = (x[rows] for x in sequences[:3])
+  if on_teacher.any():
+    teacher = on_teacher[:, None]
+    tokens = np.where(teacher, sequences[3][rows], tokens)
+    mask = np.where(teacher, sequences[4][rows], mask)
+  return tokens, mask, action
+
+
+def ingraph_rollout_fn(sampler: Sampler, env: AgentEnv, index: Any, text: Any = None
+                       ) -> RolloutFn:
+  """`ingraph_rollout` over the batch's prompts and gold, retrieving from `index`; `text` is
+  the vocabulary's `TokenText` where the tags are several tokens."""
+  def rollout_fn(params, rng, batch, group_ids):
+    return ingraph_rollout(sampler, env, params, batch["prompts"], batch["prompt_mask"], rng,
+                           index, batch["gold"], group_ids, gold_docs=batch.get("gold_docs"),
+                           text=text)
+  return rollout_fn
+
+
+def host_rollout_fn(sampler: Sampler, env: AgentEnv, retriever: Any, encode: Callable,
+                    decode: Callable, golden_answers: list[list[str]], text: Any = None
+                    ) -> RolloutFn:
+  """`host_rollout` over the batch's prompts, calling `retriever`; the reward compares the
+  decoded answers with `golden_answers` (strings); `text` is the vocabulary's `TokenText`
+  where the tags are several tokens."""
+  def rollout_fn(params, rng, batch, group_ids):
+    return host_rollout(sampler, env, params, batch["prompts"], batch["prompt_mask"], rng,
+                        retriever, encode, decode, golden_answers, group_ids,
+                        gold_docs=batch.get("gold_docs"), text=text)
+  return rollout_fn
+
+
+def rl_iteration(rollout_fn: RolloutFn, update: Callable, state: train_state.TrainState,
+                 batch: dict, group_ids: jax.Array, teacher_params: Any = None
+                 ) -> tuple[train_state.TrainState, Rollout, dict]:
+  """One RL step: sample with `rollout_fn`, then learn with `update`.
+
+  Args:
+    rollout_fn: samples the step's episodes from the current parameters.
+    update: `(state, rollout, teacher_prompt, teacher_prompt_mask, teacher_params) ->
+      (state, metrics)`, `learner.rl_step` or its jitted `learner.make_rl_step`.
+    state: the train state; its PRNG key is split into the rollout's and the next state's.
+    batch: `rl_batch`'s arrays (prompt regions, gold tokens).
+    group_ids: `i32[B]` the prompt each row samples.
+    teacher_params: frozen teacher parameters (OPSD), or None for the policy's own.
+
+  Returns:
+    `(new state, rollout, metrics)`.
+  """
+  rng, sample = jax.random.split(state.rng)
+  rollout = rollout_fn(state.params, sample, batch, group_ids)
+  state, metrics = update(state.replace(rng=rng), rollout, batch["teacher_prompt"],
+                          batch["teacher_prompt_mask"], teacher_params)
+  return state, rollout, metrics
+
+
+def make_rl_iteration(sampler: Sampler, env: AgentEnv, model: ModelConfig,
+                      tx: optax.GradientTransformation, algo: Any, plan: learner.UpdatePlan,
+                      mesh: Mesh | None = None) -> Callable:
+  """One RL step as one XLA program: in-graph rollout -> reward -> evidence -> update.
+
+  Returns `step(state, search, batch, group_ids, teacher_params=None) -> (state, rollout,
+  metrics)`, jitted, where `search` is `(index, text)`: the `BM25Index` and the vocabulary's
+  `TokenText` (None where the tags are single tokens). The state is donated; the frozen
+  `teacher_params` are an argument, not donated, so the same copy serves every step. With a
+  mesh the shardings are explicit: the state's from `train_state_shardings`, the batch, group
+  ids and rollout rows over the data axes (each device samples its own rows), the index, the
+  vocabulary's text and the metrics replicated.
+  """
+  micro = None if mesh is None else learner.micro_batch_sharding(mesh)
+
+  def update(state, rollout, teacher_prompt, teacher_prompt_mask, teacher_params):
+    return learner.rl_step(state, rollout, teacher_prompt, teacher_prompt_mask, teacher_params,
+                           config=model, tx=tx, algo=algo, max_turns=env.max_turns, plan=plan,
+                           micro_sharding=micro)
+
+  def step(state, search, batch, group_ids, teacher_params=None):
+    return rl_iteration(ingraph_rollout_fn(sampler, env, *search), update, state, batch,
+                        group_ids, teacher_params)
+
+  if mesh is None:
+    return jax.jit(step, donate_argnums=0)
+  state_sh = train_state.train_state_shardings(model, tx, mesh)
+  rows, whole = sharding.batch_sharding(mesh), sharding.replicated(mesh)
+  return learner.jit_with_optional_teacher(step, (state_sh, whole, rows, rows), state_sh.params,
+                                           (state_sh, rows, whole))
+
+
+def save_rollout(path: str, rollout: Rollout) -> None:
+  """Writes a rollout's arrays (`Rollout` fields and its `mask`) to an `.npz` file: exactly
+  the tokens the update trained on, with `action_mask` marking the trained-on ones."""
+  os.makedirs(os.path.dirname(path), exist_ok=True)
+  fields = {f: getattr(rollout, f) for f in ("tokens", "action_mask", "turn_ids", "num_turns",
+                                             "length", "prompt_length", "finished",
+                                             "truncated", "group_ids", "sample_logp", "reward",
+                                             "searches", "search_failures")}
+  np.savez(path, mask=np.asarray(rollout.mask), prompt_width=rollout.prompt_width,
+           **{k: np.asarray(v) for k, v in fields.items()})
+
+
+def retrieval_metrics(before: dict, after: dict) -> dict:
+  """A step's `retrieval/<counter>`: how much each of a retriever's counters grew."""
+  return {f"retrieval/{k}": after[k] - before[k] for k in after}
+
+
+# Metrics that count faults, shown in the progress bar (as run totals) once non-zero.
+_FAULTS = {"failed_searches": "failed_searches", "retrieval/retries": "retries",
+           "skipped_updates": "skipped_updates"}
+
+
+def _show_faults(bar: Any, faults: dict, metrics: dict) -> None:
+  for key, name in _FAULTS.items():
+    if key in metrics and float(metrics[key]):
+      faults[name] = faults.get(name, 0) + int(metrics[key])
+  if faults and hasattr(bar, "set_postfix"):
+    bar.set_postfix(faults)
+
+
+def _none_applied(metrics: dict, plan: learner.UpdatePlan) -> bool:
+  """No update of the step was applied, and at least one was skipped as non-finite."""
+  skipped, empty = float(metrics["skipped_updates"]), float(metrics["empty_updates"])
+  return skipped > 0 and skipped + empty >= plan.epochs * plan.minibatches
+
+
+def rl_inputs(task: Task, config, step: int, mesh: Mesh) -> tuple[list[dict], dict, jax.Array]:
+  """RL step `step`'s records (all rows), and its batch and group ids as global arrays whose
+  rows are sharded over the data axes of `mesh`; this process builds only its own rows."""
+  records, group_ids = rl_prompts(task, config, step)
+  rows = sharding.process_batch_rows(len(records), mesh)
+  batch, group_ids = sharding.shard_process_local_batch(
+      (rl_batch(task, config, records[rows]), group_ids[rows].astype(np.int32)), mesh,
+      len(records))
+  return records, batch, group_ids
+
+
+def validation_accuracy(config, task: Task, model: ModelConfig, params: Any,
+                        progress: Callable = lambda it, **kw: it, credit: bool = False) -> dict:
+  """Greedy decoding on the first `config.eval.num_examples` `rl_validation` questions:
+  `evaluate.evaluate`'s statistics (the task's retrieval, the seed's key); with `credit` and
+  an algorithm that computes turn evidence, its `credit` statistics too."""
+  from pbsd_jax.eval import evaluate
+  records = task.splits["rl_validation"][:config.eval.num_examples]
+  return evaluate.evaluate(
+      Sampler(model, temperature=0.0), task.env, params, records, **task.rollout_args,
+      batch_size=min(50, len(records)), rng=jax.random.key(config.seed),
+      prompt_width=config.data.prompt_width,
+      gold_width=config.data.gold_width, progress=progress,
+      template=protocol.PROMPT_TEMPLATES[config.data.prompt_template],
+      credit_algo=run_config.build_algorithm(config) if credit else None)
+
+
+def _log_validation(config, task: Task, model: ModelConfig, params: Any, log: MetricLog,
+                    step: int, stage: str = "rl") -> None:
+  """With `config.eval.every` (RL) or `config.eval.sft_every` (SFT), the validation row of
+  `stage`'s step `step` (0: the start), logged as stage `eval` (RL) or `eval_sft`."""
+  every = config.eval.every if stage == "rl" else config.eval.sft_every
+  if every and (step % every == 0 or step == config[stage].steps):
+    result = validation_accuracy(config, task, model, params)
+    log.write("eval" if stage == "rl" else "eval_sft", step,
+              {k: result[k] for k in ("accuracy", "mean_turns", "mean_action_tokens")})
+
+
+def rl_stage(config, task: Task, model: ModelConfig, params: Any, workdir: str,
+             log: MetricLog, mesh: Mesh, progress: Callable = lambda it, **kw: it,
+             on_step: Callable | None = None, force_resume: bool = False
+             ) -> train_state.TrainState:
+  """`config.rl.steps` RL steps of `config.algorithm` starting from `params` (sharded on
+  `mesh`), under `mesh` (resumable; with `force_resume`, also from checkpoints of another
+  configuration). With `config.eval.every`, greedy validation accuracy is logged (stage
+  `eval`) at step 0, every that many steps and at the end."""
+  algo = run_config.build_algorithm(config)
+  steps = config.rl.steps
+  tx = run_config.build_optimizer(config, "rl")
+  sampler = run_config.build_sampler(config, model, "rollout")
+  plan = run_config.build_plan(config)
+  # A host retriever's own counters (`HttpRetriever.metrics`: calls, retries, latency).
+  counters = (getattr(task.retriever, "metrics", None)
+              if config.env.retriever != "ingraph" else None)
+  state = fresh_state(params, tx, model, mesh, config.seed + 1)
+  teacher_params = jax.tree.map(jnp.copy, params) if algo.distillation_beta is not None else None
+  if config.env.retriever == "ingraph":
+    jitted = make_rl_iteration(sampler, task.env, model, tx, algo, plan, mesh)
+    iteration = lambda state, batch, group_ids, records: jitted(
+        state, (task.index, task.text), batch, group_ids, teacher_params)
+  else:
+    update = learner.make_rl_step(model, tx, algo, task.env.max_turns, plan, mesh=mesh)
+    iteration = lambda state, batch, group_ids, records: rl_iteration(
+        host_rollout_fn(sampler, task.env, task.retriever, task.encode, task.decode,
+                        [r["golden_answers"] for r in records], task.text),
+        update, state, batch, group_ids, teacher_params)
+
+  with _checkpointer(config, workdir, "ckpt_rl") as ckpt, \
+      checkpoint.PreemptionGuard() as guard:
+    state = _resume(ckpt, state, log, "rl", force_resume)
+    log.drop_after("eval", int(state.step))
+    if int(state.step) == 0:
+      _log_validation(config, task, model, state.params, log, 0)
+    bar = progress(range(int(state.step), steps), desc=config.algorithm,
+                   initial=int(state.step), total=steps)
+    faults, skipped_in_a_row = {}, 0
+    for step in bar:
+      records, batch, group_ids = rl_inputs(task, config, step, mesh)
+      before = counters() if counters else {}
+      state, rollout, metrics = iteration(state, batch, group_ids, records)
+      if counters:
+        metrics = {**metrics, **retrieval_metrics(before, counters())}
+      log.write("rl", step + 1, metrics)
+      if config.rl.save_rollouts and (step + 1) % config.rl.save_rollouts == 0:
+        save_rollout(os.path.join(workdir, "rollouts", f"rl_{step + 1}.npz"), rollout)
+      _log_validation(config, task, model, state.params, log, step + 1)
+      _show_faults(bar, faults, metrics)
+      if on_step is not None:
+        on_step(step + 1, state, rollout, batch)
+      data_state = {"stage": "rl", "step": step + 1}
+      ckpt.save(state, data_state, force=step + 1 == steps)
+      if guard.save_if_requested(ckpt, state, data_state):
+        raise SystemExit("preempted: saved the RL state")
+      skipped_in_a_row = skipped_in_a_row + 1 if _none_applied(metrics, plan) else 0
+      if config.rl.max_skipped_steps and skipped_in_a_row >= config.rl.max_skipped_steps:
+        # A skipped update leaves the parameters as they were: the checkpoints hold the
+        # last parameters a finite update produced.
+        raise SystemExit(
+            f"stopped at RL step {step + 1}: every update of the last {skipped_in_a_row} "
+            "steps was skipped (non-finite loss or gradient); the checkpoints keep the last "
+            "finite parameters (config.rl.max_skipped_steps sets how many steps to allow)")
+  return state
