@@ -27,7 +27,6 @@ from pbsd_jax.agent import gold_chain
 from pbsd_jax.agent.batch import prompt_region, reward_gold
 from pbsd_jax.agent.env.agent_env import AgentEnv
 from pbsd_jax.agent.env.bm25 import BM25Index
-from pbsd_jax.agent.gold_chain import gold_doc_batch
 from pbsd_jax.agent.rollout import host_rollout, ingraph_rollout
 from pbsd_jax.generate.sampling import Sampler
 from pbsd_jax.models import ModelConfig
@@ -212,7 +211,7 @@ def evaluate(sampler: Sampler, env: AgentEnv, params: Any, records: Sequence[Map
                                   else None), chat=chat)
   gold = reward_gold([r["golden_answers"] for r in records], encode, gold_width,
                      text_tags=text is not None)
-  gold_docs = (gold_doc_batch(records, max(r["hops"] for r in records)) if with_credit
+  gold_docs = (gold_chain.gold_doc_batch(records, max(r["hops"] for r in records)) if with_credit
                else None)
   rows = np.repeat(np.arange(len(records)), samples_per_question)
   num_batches = -(-len(rows) // batch_size)

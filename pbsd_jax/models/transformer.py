@@ -16,7 +16,6 @@ expert, layers`); `pbsd_jax.parallel.sharding` maps them to mesh axes. The model
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import flax.linen as nn

@@ -10,7 +10,6 @@ platform.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
