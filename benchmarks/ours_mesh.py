@@ -44,7 +44,7 @@ def measure(config, task, model, mesh, steps: int) -> dict:
   tx = run_config.build_optimizer(config, "rl")
   algo = run_config.build_algorithm(config)
   sampler = run_config.build_sampler(config, model, "rollout")
-  iteration = train.make_rl_iteration(sampler, task.env, model, tx, algo,
+  iteration = train.make_rl_iteration(task.agent(sampler), model, tx, algo,
                                       run_config.build_plan(config), mesh)
   state = train.fresh_state(train.initial_params(config, model, mesh), tx, model, mesh,
                              config.seed)
@@ -52,7 +52,7 @@ def measure(config, task, model, mesh, steps: int) -> dict:
   for step in range(steps):
     _, batch, group_ids = train.rl_inputs(task, config, step, mesh)
     before, start = compiles[0], time.perf_counter()
-    state, _, metrics = iteration(state, (task.index, task.text), batch, group_ids)
+    state, _, metrics = iteration(state, (task.search, task.tokenizer.text), batch, group_ids)
     jax.block_until_ready((state, metrics))
     times.append(time.perf_counter() - start)
     per_step.append(compiles[0] - before)
@@ -62,7 +62,7 @@ def measure(config, task, model, mesh, steps: int) -> dict:
 def measure_rollout(config, task, model, mesh, steps: int) -> float:
   """Median warm time of the step's rollout alone (`ingraph_rollout`) on `mesh`."""
   sampler = run_config.build_sampler(config, model, "rollout")
-  rollout_fn = jax.jit(train.ingraph_rollout_fn(sampler, task.env, task.index))
+  rollout_fn = jax.jit(task.agent(sampler).rollout)
   params = train.initial_params(config, model, mesh)
   times = []
   for step in range(steps):

@@ -95,7 +95,7 @@ def main(argv):
 
   from pbsd_jax.eval import evaluate
   from pbsd_jax.eval.metric_log import MetricLog
-  from pbsd_jax.run import (policy_checkpoint, run_config, task as task_lib, train,
+  from pbsd_jax.run import (policy_checkpoint, run_config, start as start_lib, train,
                             workdir as workdir_lib)
 
   start = time.time()
@@ -119,17 +119,14 @@ def main(argv):
       settings.update_from_flattened_dict(overrides)
       run_config.validate_for_script(settings)
       variants.append((method, seed, settings))
-  workdir_lib.claim_for_script(workdir, config, force=_FORCE_RESUME.value)
-  task = task_lib.prepare_task(config, workdir)
+  run = start_lib.start_run(config, workdir, force_resume=_FORCE_RESUME.value)
+  task, model, mesh = run.task, run.model, run.mesh
   splits = {"validation": task.splits["rl_validation"][:config.eval.num_examples]}
   ood_flag, pool = ("--ood", _OOD.value) if _OOD.value else ("--ood_pool", _OOD_POOL.value)
   try:
     pool = task.records(pool) if pool else None
   except (FileNotFoundError, ValueError) as err:
     raise SystemExit(f"compare: {ood_flag}: {err}") from None
-  model = run_config.build_model_config(config, task.vocab.vocab_size)
-  mesh = run_config.mesh_for_script(config, model)
-  policy_checkpoint.save_model_config(workdir, model)
   sft = train.sft_stage(config, task, model, workdir, MetricLog(workdir), mesh,
                         progress=tqdm.tqdm, force_resume=_FORCE_RESUME.value)
   if _OOD.value:
@@ -148,11 +145,12 @@ def main(argv):
       return result
     algo = run_config.build_algorithm(settings)
     result |= {name: evaluate.evaluate_policy(
-        model, task.env, params, records, **task.rollout_args, batch_size=_BATCH_SIZE.value,
+        task.agent(run_config.build_sampler(settings, model, "eval")), params, records,
+        batch_size=_BATCH_SIZE.value,
         rng=jax.random.fold_in(jax.random.key(settings.seed), i),
         prompt_width=config.data.prompt_width, gold_width=config.data.gold_width,
-        samples_per_question=_SAMPLES.value, temperature=config.eval.temperature,
-        top_p=config.eval.top_p, pass_k=tuple(k for k in config.eval.pass_k
+        template=protocol.PROMPT_TEMPLATES[config.data.prompt_template],
+        samples_per_question=_SAMPLES.value, pass_k=tuple(k for k in config.eval.pass_k
                                                 if k <= _SAMPLES.value),
         credit_algo=algo,
         progress=lambda it, **kw: tqdm.tqdm(it, leave=False, **kw))
@@ -195,9 +193,10 @@ def ood_tiers(path, pool, config, task, model, params):
   sampler = run_config.build_sampler(config, model, _OOD_SAMPLING.value)
   try:
     rows, summary = evaluate.stratified_subset(
-        sampler, task.env, params, pool, **task.rollout_args, num_samples=_OOD_SAMPLES.value,
+        task.agent(sampler), params, pool, num_samples=_OOD_SAMPLES.value,
         per_tier=_OOD_PER_TIER.value, seed=0, batch_size=_BATCH_SIZE.value,
         prompt_width=config.data.prompt_width, gold_width=config.data.gold_width,
+        template=protocol.PROMPT_TEMPLATES[config.data.prompt_template],
         progress=lambda it, **kw: tqdm.tqdm(it, leave=False, **kw))
   except ValueError as err:
     raise SystemExit(f"compare: --ood_pool: {err}") from None

@@ -34,17 +34,13 @@ def main(argv):
 
   from pbsd_jax.eval import report, results
   from pbsd_jax.eval.metric_log import MetricLog
-  from pbsd_jax.run import (policy_checkpoint, run_config, task as task_lib, train,
+  from pbsd_jax.run import (policy_checkpoint, run_config, start as start_lib, train,
                             workdir as workdir_lib)
 
   start = time.time()
   config, workdir = _CONFIG.value, _WORKDIR.value
-  run_config.validate_for_script(config)
-  workdir_lib.claim_for_script(workdir, config, force=_FORCE_RESUME.value)
-  task = task_lib.prepare_task(config, workdir)
-  model = run_config.build_model_config(config, task.vocab.vocab_size)
-  mesh = run_config.mesh_for_script(config, model)
-  policy_checkpoint.save_model_config(workdir, model)
+  run = start_lib.start_run(config, workdir, force_resume=_FORCE_RESUME.value)
+  task, model, mesh = run.task, run.model, run.mesh
   log = MetricLog(workdir)
 
   def validation_accuracy(params, name, out_dir, settings=config):
@@ -118,7 +114,7 @@ def _credit_page(config, model, algo, task, run_dir):
                               rows=report.mixed_group_rows(rollout, 2), step=step,
                               teacher_prompt=batch["teacher_prompt"],
                               teacher_prompt_mask=batch["teacher_prompt_mask"])
-    report.credit_html(view, task.decode, os.path.join(run_dir, "credit.html"),
+    report.credit_html(view, task.tokenizer.decode, os.path.join(run_dir, "credit.html"),
                        title=f"{algo.name.upper()} turn-level credit")
   return on_step
 

@@ -80,11 +80,11 @@ def main(argv):
   rng = jax.random.key(_SEED.value)
   for i, (name, records) in enumerate(splits.items()):
     got = evaluate.evaluate_policy(
-        model, task.env, params, records, **task.rollout_args, batch_size=_BATCH_SIZE.value,
+        task.agent(run_config.build_sampler(config, model, "eval")), params, records,
+        batch_size=_BATCH_SIZE.value,
         rng=jax.random.fold_in(rng, i), prompt_width=config.data.prompt_width,
         gold_width=config.data.gold_width,
-        samples_per_question=samples, temperature=config.eval.temperature,
-        top_p=config.eval.top_p, pass_k=tuple(config.eval.pass_k), template=template,
+        samples_per_question=samples, pass_k=tuple(config.eval.pass_k), template=template,
         progress=lambda it, **kw: tqdm.tqdm(it, leave=False, **kw),
         credit_algo=algo)
     results["splits"][name] = got

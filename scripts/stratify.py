@@ -69,7 +69,7 @@ def main(argv):
   sampler = run_config.build_sampler(config, model, _SAMPLING.value)
   try:
     rows, summary = evaluate.stratified_subset(
-        sampler, task.env, params, records, **task.rollout_args, num_samples=_SAMPLES.value,
+        task.agent(sampler), params, records, num_samples=_SAMPLES.value,
         per_tier=_PER_TIER.value, seed=_SEED.value, batch_size=_BATCH_SIZE.value,
         prompt_width=config.data.prompt_width, gold_width=config.data.gold_width,
         template=protocol.PROMPT_TEMPLATES[config.data.prompt_template],

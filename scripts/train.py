@@ -28,26 +28,16 @@ def main(argv):
   import tqdm
 
   from pbsd_jax.eval.metric_log import MetricLog
-  from pbsd_jax.run import (policy_checkpoint, run_config, task as task_lib, train,
-                            workdir as workdir_lib)
+  from pbsd_jax.run import start, train
 
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it renames at INFO
-  config = _CONFIG.value
-  run_config.validate_for_script(config)
-  workdir_lib.claim_for_script(_WORKDIR.value, config, force=_FORCE_RESUME.value)
-  task = task_lib.prepare_task(config, _WORKDIR.value)
-  model = run_config.build_model_config(config, task.vocab.vocab_size)
-  mesh = run_config.mesh_for_script(config, model)
-  lead = jax.process_index() == 0  # writes the files every process would write alike
-  if lead:
-    policy_checkpoint.save_model_config(_WORKDIR.value, model)
-    task_lib.save_tokenizer(config, _WORKDIR.value)
-  log = MetricLog(_WORKDIR.value)
-  force = _FORCE_RESUME.value
-  progress = tqdm.tqdm if lead else (lambda it, **kw: it)
-  state = train.sft_stage(config, task, model, _WORKDIR.value, log, mesh, progress=progress,
-                          force_resume=force)
-  train.rl_stage(config, task, model, state.params, _WORKDIR.value, log, mesh,
+  config, workdir, force = _CONFIG.value, _WORKDIR.value, _FORCE_RESUME.value
+  run = start.start_run(config, workdir, force_resume=force)
+  log = MetricLog(workdir)
+  progress = tqdm.tqdm if jax.process_index() == 0 else (lambda it, **kw: it)
+  state = train.sft_stage(config, run.task, run.model, workdir, log, run.mesh,
+                          progress=progress, force_resume=force)
+  train.rl_stage(config, run.task, run.model, state.params, workdir, log, run.mesh,
                  progress=progress, force_resume=force)
 
 

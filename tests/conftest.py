@@ -36,6 +36,16 @@ class KnowledgeGraph:
   def decode(self, ids):
     return self.vocab.decode([int(i) for i in ids])
 
+  @property
+  def tokenizer(self):
+    from pbsd_jax.agent.tokenizer import Tokenizer
+    return Tokenizer(self.vocab)
+
+  def agent(self, sampler, env, search=None):
+    """The agent of `sampler` and `env` over the embedded task's device index (or `search`)."""
+    from pbsd_jax.agent.rollout import Agent
+    return Agent(sampler, env, self.tokenizer, self.retriever.index if search is None else search)
+
   def records(self, split):
     with open(self.paths[split]) as f:
       return [json.loads(line) for line in f]

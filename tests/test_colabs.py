@@ -116,7 +116,7 @@ def test_hf_model_converts_a_transformers_checkpoint_and_searches_with_it(tmp_pa
   nb, got = execute_notebook(
       "hf_model", f"WORKDIR = {str(tmp_path)!r}; SFT_STEPS, RL_STEPS = 60, 2",
       "dict(searches=np.asarray(rollout.searches).tolist(), steps=[r['step'] for r in rl_rows],"
-      " tags={t: len(task.encode(t)) for t in protocol.TAGS}, obs=int(np.sum("
+      " tags={t: len(task.tokenizer.encode(t)) for t in protocol.TAGS}, obs=int(np.sum("
       "rollout.observation_mask)), docs=[text for _, text in DOCUMENTS])")
   assert got["steps"] == [1, 2]
   assert sum(got["searches"]) > 0 and got["obs"] > 0

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from pbsd_jax.agent import privileged
 from pbsd_jax.agent.batch import forced_batch, gold_batch, prompt_region
 from pbsd_jax.agent.env.agent_env import AgentEnv, KIND_ANSWER, KIND_INVALID, KIND_SEARCH
-from pbsd_jax.agent.rollout import host_rollout, ingraph_rollout
+from pbsd_jax.agent.rollout import host_rollout, ingraph_rollout, label_turns
 from pbsd_jax.data import vocab as vocab_lib
 from pbsd_jax.generate.sampling import Sampler
 from pbsd_jax.models import ModelConfig, init_params
@@ -96,10 +96,10 @@ def _replay(kg, setup, records, actions):
   args = (Sampler(model), env, params, region["prompts"], region["prompt_mask"],
           jax.random.key(0))
   graph = ingraph_rollout(*args, kg.retriever.index, gold_batch(golds, kg.encode, 12),
-                          jnp.arange(len(records)) // 2, *forced, gold_docs=gold_docs)
-  host = host_rollout(*args, kg.retriever, kg.encode, kg.decode, golds,
-                      jnp.arange(len(records)) // 2, *forced, gold_docs=gold_docs)
-  return graph, host, region
+                          jnp.arange(len(records)) // 2, *forced)
+  host = host_rollout(*args, kg.retriever, kg.tokenizer, golds,
+                      jnp.arange(len(records)) // 2, *forced)
+  return label_turns(graph, gold_docs), label_turns(host, gold_docs), region
 
 
 def test_oracle_replay_labels_its_detours_off_chain_and_its_chain_searches_useful(kg, setup):

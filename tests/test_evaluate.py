@@ -208,8 +208,8 @@ def automaton(kg):
 
 def _evaluate(kg, automaton, sampler, batch_size, n=1, rng=0):
   env, _, params, records = automaton
-  return ev.evaluate(sampler, env, params, records, kg.encode, kg.retriever.index,
-                     batch_size=batch_size, rng=jax.random.key(rng), prompt_width=P,
+  return ev.evaluate(kg.agent(sampler, env), params, records, batch_size=batch_size,
+                     rng=jax.random.key(rng), prompt_width=P,
                      gold_width=GOLD, samples_per_question=n)
 
 
@@ -246,8 +246,9 @@ def test_padded_last_batch_matches_one_direct_rollout_of_all_records(kg, automat
 def test_evaluate_policy_samples_with_top_p_and_reports_pass_at_k(kg, automaton):
   env, config, params, records = automaton
   n = 4
-  got = ev.evaluate_policy(config, env, params, records, kg.encode, kg.retriever.index,
-                           batch_size=4, rng=jax.random.key(1),
+  nucleus = Sampler(config, temperature=1.0, top_p=0.95)  # the paper's setting
+  got = ev.evaluate_policy(kg.agent(nucleus, env), params, records, batch_size=4,
+                           rng=jax.random.key(1),
                            prompt_width=P, gold_width=GOLD, samples_per_question=n)
   assert got["greedy"]["solve_counts"] == [1, 1, 0, 1, 0, 0]
   assert got["greedy"]["pass_at_k"] == {"1": 0.5}
@@ -268,8 +269,8 @@ def test_a_prompt_too_long_for_the_width_names_its_record(kg, automaton):
   long = {"question": "word " * 80, "golden_answers": ["x"]}
   with pytest.raises(ValueError, match=r"record 1: its prompt is \d+ tokens, more than "
                      rf"prompt_width={P}"):
-    ev.evaluate(Sampler(config, temperature=0.0), env, params, [records[0], long], kg.encode,
-                kg.retriever.index, batch_size=4, rng=jax.random.key(0), prompt_width=P,
+    ev.evaluate(kg.agent(Sampler(config, temperature=0.0), env), params, [records[0], long],
+                batch_size=4, rng=jax.random.key(0), prompt_width=P,
                 gold_width=GOLD)
 
 
@@ -351,8 +352,8 @@ def test_evaluation_labels_the_searches_of_records_with_a_gold_chain(kg, automat
   from pbsd_jax.rl import algorithms
   env, config, params, records = automaton
   sampler = Sampler(config, temperature=0.0)
-  plain = ev.evaluate(sampler, env, params, records, kg.encode, kg.retriever.index,
-                      batch_size=4, rng=jax.random.key(0), prompt_width=P, gold_width=GOLD,
+  plain = ev.evaluate(kg.agent(sampler, env), params, records, batch_size=4,
+                      rng=jax.random.key(0), prompt_width=P, gold_width=GOLD,
                       credit_algo=algorithms.get("pbsd", group_size=1, normalize_std=False))
   assert "credit" not in plain  # no gold chains: nothing to label
   region = prompt_region([records[1]["question"]], kg.encode, P)
@@ -363,8 +364,8 @@ def test_evaluation_labels_the_searches_of_records_with_a_gold_chain(kg, automat
   assert doc >= 0
   chained = [dict(r, chain=[doc if i == 1 else doc + 1, 0], hops=1)
              for i, r in enumerate(records)]
-  got = ev.evaluate(sampler, env, params, chained, kg.encode, kg.retriever.index,
-                    batch_size=4, rng=jax.random.key(0), prompt_width=P, gold_width=GOLD,
+  got = ev.evaluate(kg.agent(sampler, env), params, chained, batch_size=4,
+                    rng=jax.random.key(0), prompt_width=P, gold_width=GOLD,
                     credit_algo=algorithms.get("pbsd", group_size=1, normalize_std=False))
   assert {k: v for k, v in got.items() if k != "credit"} == plain
   # Searches: records 1, 3, 5 (questions ending in '?'); only record 1's chain holds the doc.

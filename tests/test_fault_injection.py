@@ -150,7 +150,7 @@ def _rollout(kg, setup, records, retriever, answers=None):  # noqa: F811 (setup:
   if answers is not None:  # replace each row's final answer
     actions = [a[:-1] + [f"<answer> {x} </answer>"] for a, x in zip(actions, answers)]
   return host_rollout(sampler, env, params, prompts, prompt_mask, jax.random.key(0), retriever,
-                      kg.encode, kg.decode, [r["golden_answers"] for r in records], None,
+                      kg.tokenizer, [r["golden_answers"] for r in records], None,
                       *_forced(kg, actions))
 
 

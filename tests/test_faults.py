@@ -134,7 +134,7 @@ def test_a_steps_metrics_count_the_injected_retrieval_faults(kg, setup):
     client = HttpRetriever(server.url, timeout_s=5.0, max_retries=1, backoff_s=0.0)
     before = client.metrics()
     rollout = host_rollout(sampler, env, params, prompts, prompt_mask, jax.random.key(0),
-                           client, kg.encode, kg.decode, [r["golden_answers"] for r in records],
+                           client, kg.tokenizer, [r["golden_answers"] for r in records],
                            None, *_forced(kg, [r["actions"] for r in records]))
     metrics = {**evidence.rollout_metrics(rollout),
                **train.retrieval_metrics(before, client.metrics())}

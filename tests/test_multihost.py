@@ -203,14 +203,15 @@ def test_no_rl_step_after_the_first_compiles_again_on_the_mesh(kg):
   tx = run_config.build_optimizer(config, "rl")
   mesh = sharding.make_mesh(2, 2, 2)
   iteration = train.make_rl_iteration(
-      run_config.build_sampler(config, model), task.env, model, tx,
+      task.agent(run_config.build_sampler(config, model)), model, tx,
       run_config.build_algorithm(config), run_config.build_plan(config), mesh)
   state = train.fresh_state(train.initial_params(config, model, mesh), tx, model, mesh, 0)
   counts = []
   for step in (first, second, second + 1):
     _, batch, group_ids = train.rl_inputs(task, config, step, mesh)
     before = len(_compiles)
-    state, rollout, metrics = iteration(state, (task.index, task.text), batch, group_ids)
+    state, rollout, metrics = iteration(state, (task.search, task.tokenizer.text), batch,
+                                        group_ids)
     jax.block_until_ready(metrics)
     counts.append(len(_compiles) - before)
     assert rollout.tokens.sharding.spec[0] == ("data", "fsdp")  # each device its own rows

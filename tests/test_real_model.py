@@ -298,33 +298,34 @@ def test_a_bm25s_index_serves_host_rollouts_with_multi_token_tags(world, tmp_pat
         f"--out={index_dir}"])
   config = _config(world, "--config.env.retriever=bm25s", f"--config.env.index_dir={index_dir}")
   task = task_lib.prepare_task(config, str(tmp_path))
-  assert task.index is None and isinstance(task.retriever, HostBM25Retriever)
-  assert task.env.text_tags and task.text is not None
+  assert task.index is None and isinstance(task.search, HostBM25Retriever)
+  assert task.env.text_tags and task.tokenizer.text is not None
   model = policy_checkpoint.find_model_config(world["ckpt"])
   params, _ = policy_checkpoint.restore_params(world["ckpt"])
   records = task.splits["rl_train"][:2]
-  region = prompt_region([r["question"] for r in records], task.encode, 112, chat=task.chat)
+  region = prompt_region([r["question"] for r in records], task.tokenizer.encode, 112,
+                         chat=task.tokenizer.chat)
   plan = [["<search> Varnhollow founder </search>", "<answer> Ditu Ponn </answer>"],
           ["<search> Ditu Ponn born </search>", "<answer> Varnhollow </answer>"]]
-  forced, lengths = forced_batch(plan, task.encode, task.env.max_turns,
+  forced, lengths = forced_batch(plan, task.tokenizer.encode, task.env.max_turns,
                                  task.env.max_action_tokens)
   out = host_rollout(Sampler(model), task.env, params, region["prompts"],
-                     region["prompt_mask"], jax.random.key(0), task.retriever, task.encode,
-                     task.decode, [r["golden_answers"] for r in records], None, forced,
-                     lengths, text=task.text)
+                     region["prompt_mask"], jax.random.key(0), task.search, task.tokenizer,
+                     [r["golden_answers"] for r in records], None, forced, lengths)
   np.testing.assert_array_equal(out.turn_kind[:, :2], [[KIND_SEARCH, KIND_ANSWER]] * 2)
   np.testing.assert_array_equal(out.reward, [1.0, 0.0])  # Ditu Ponn founded it; wrong place
   tokens, trained = np.asarray(out.tokens), np.asarray(out.action_mask)
   for b, actions_ in enumerate(plan):
     row = tokens[b, 112:int(out.length[b])].tolist()
-    top = task.retriever.retrieve([actions_[0][9:-10]], 1)[0][0]
-    observation = (list(task.env.tag_tokens("info_open")) + task.encode(format_document(top))
+    top = task.search.retrieve([actions_[0][9:-10]], 1)[0][0]
+    observation = (list(task.env.tag_tokens("info_open"))
+                   + task.tokenizer.encode(format_document(top))
                    + list(task.env.tag_tokens("info_close")))
-    want = task.encode(actions_[0]) + observation + task.encode(actions_[1])
+    want = task.tokenizer.encode(actions_[0]) + observation + task.tokenizer.encode(actions_[1])
     assert row == want
     assert trained[b, 112:int(out.length[b])].tolist() == (
-        [True] * len(task.encode(actions_[0])) + [False] * len(observation)
-        + [True] * len(task.encode(actions_[1])))
+        [True] * len(task.tokenizer.encode(actions_[0])) + [False] * len(observation)
+        + [True] * len(task.tokenizer.encode(actions_[1])))
 
 
 @pytest.mark.parametrize("change, message", [
@@ -423,12 +424,12 @@ def test_chat_prompts_put_the_privileged_block_in_the_user_message(world, tmp_pa
                                        f"--config.data.corpus={world['corpus']}"),
                                str(tmp_path))
   directory = os.path.join(world["ckpt"], "hf_assets")
-  region = prompt_region(["Who founded Varnhollow?"], task.encode, 112,
-                         answers=["Ditu Ponn"], chat=task.chat)
+  region = prompt_region(["Who founded Varnhollow?"], task.tokenizer.encode, 112,
+                         answers=["Ditu Ponn"], chat=task.tokenizer.chat)
   message = protocol.format_prompt("Who founded Varnhollow?")
   for key, text in (("prompts", message),
                     ("teacher_prompt", message + privileged.privileged_block("Ditu Ponn"))):
-    want = task.encode(chat_template.apply_chat_template(
+    want = task.tokenizer.encode(chat_template.apply_chat_template(
         directory, [{"role": "user", "content": text}], add_generation_prompt=True))
     mask = region[f"{key}_mask" if key == "teacher_prompt" else "prompt_mask"][0]
     assert region[key][0][mask].tolist() == want and mask[-len(want):].all()
@@ -454,8 +455,9 @@ def test_user_trajectories_train_on_the_actions_only(world, tmp_path):
     search = text[:text.index(protocol.INFO_OPEN)].rstrip()
     answer = text[text.index(protocol.INFO_CLOSE) + len(protocol.INFO_CLOSE):]
     prompt = int(mask[b][:112].sum())
-    observed = (list(task.env.tag_tokens("info_open")) + task.encode(observation)
+    observed = (list(task.env.tag_tokens("info_open")) + task.tokenizer.encode(observation)
                 + list(task.env.tag_tokens("info_close")))
-    assert row[prompt:].tolist() == task.encode(search) + observed + task.encode(answer)
-    assert trained.tolist() == ([False] * prompt + [True] * len(task.encode(search))
-                                + [False] * len(observed) + [True] * len(task.encode(answer)))
+    encode = task.tokenizer.encode
+    assert row[prompt:].tolist() == encode(search) + observed + encode(answer)
+    assert trained.tolist() == ([False] * prompt + [True] * len(task.tokenizer.encode(search))
+                                + [False] * len(observed) + [True] * len(encode(answer)))

@@ -12,6 +12,7 @@ from pbsd_jax.agent.env.agent_env import (AgentEnv, KIND_ANSWER, KIND_EOS, KIND_
 from pbsd_jax.agent.env.http import HttpRetriever, RetrievalServer
 from pbsd_jax.agent.env.observations import format_document
 from pbsd_jax.agent.rollout import host_rollout, ingraph_rollout
+from pbsd_jax.agent.tokenizer import Tokenizer
 from pbsd_jax.data import vocab as vocab_lib
 from pbsd_jax.generate.sampling import Sampler
 from pbsd_jax.models import ModelConfig, init_params
@@ -60,7 +61,7 @@ def _both(kg, setup, records, rng, forced=(None, None), retriever=None):
   graph = ingraph_rollout(sampler, env, params, tokens, mask, rng, kg.retriever.index,
                           _gold(kg, golds), None, *forced)
   host = host_rollout(sampler, env, params, tokens, mask, rng, retriever or kg.retriever,
-                      kg.encode, kg.decode, golds, None, *forced)
+                      kg.tokenizer, golds, None, *forced)
   return graph, host
 
 
@@ -197,7 +198,7 @@ def test_rollout_survives_the_retrieval_service_stopping_mid_run(kg, setup):
     env, sampler, params = setup
     tokens, mask = _prompts(kg, records)
     out = host_rollout(sampler, env, params, tokens, mask, jax.random.key(0),
-                       StopsAfterFirstCall(server, client), kg.encode, kg.decode,
+                       StopsAfterFirstCall(server, client), kg.tokenizer,
                        [r["golden_answers"] for r in records], None,
                        *_forced(kg, [r["actions"] for r in records]))
   searches = np.array([len(r["actions"]) - 1 for r in records])
@@ -298,7 +299,7 @@ def test_tags_of_several_tokens_are_kept_as_sequences_and_need_the_vocabulary_te
                     None, jnp.zeros((1, 1, 2), jnp.int32))
   with pytest.raises(ValueError, match="TokenText"):
     host_rollout(Sampler(config), env, None, prompts, prompts > 0, jax.random.key(0), None,
-                 None, None, [["a"]])
+                 Tokenizer(TwoTokenSearch()), [["a"]])
 
 
 def _oracle_answer(kg, question, relations, start_name, first_query=None):
@@ -356,7 +357,7 @@ def test_moe_rollouts_record_the_routes_that_replayed_evidence_reads(kg, setup):
   graph = ingraph_rollout(sampler, env, params, prompts, pmask, jax.random.key(2),
                           kg.retriever.index, _gold(kg, golds))
   host = host_rollout(sampler, env, params, prompts, pmask, jax.random.key(2), kg.retriever,
-                      kg.encode, kg.decode, golds)
+                      kg.tokenizer, golds)
   assert int(graph.num_action_tokens.min()) > 0 and int(jnp.sum(graph.observation_mask)) > 0
   for out in (graph, host):
     full = Transformer(config).apply({"params": params}, out.tokens, out.mask).routes

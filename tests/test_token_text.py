@@ -17,6 +17,7 @@ from pbsd_jax.agent.env import rewards, token_text
 from pbsd_jax.agent.env.agent_env import AgentEnv, KIND_ANSWER, KIND_INVALID, KIND_SEARCH
 from pbsd_jax.agent.env.token_retriever import TokenBM25Retriever
 from pbsd_jax.agent.rollout import host_rollout, ingraph_rollout
+from pbsd_jax.agent.tokenizer import Tokenizer
 from pbsd_jax.data import vocab as vocab_lib
 from pbsd_jax.generate.sampling import Sampler
 from pbsd_jax.models import ModelConfig, init_params
@@ -96,8 +97,7 @@ def test_the_in_graph_rollout_agrees_with_the_host_rollout_with_text_tags(bpe_ta
     graph = ingraph_rollout(sampler, env, params, region["prompts"], region["prompt_mask"],
                             jax.random.key(3), retriever.index, gold, None, *f, text=text)
     host = host_rollout(sampler, env, params, region["prompts"], region["prompt_mask"],
-                        jax.random.key(3), retriever, encode, vocab.decode, GOLD, None, *f,
-                        text=text)
+                        jax.random.key(3), retriever, Tokenizer(vocab, text), GOLD, None, *f)
     for field in ("tokens", "action_mask", "turn_ids", "num_turns", "length", "turn_kind",
                   "reward", "searches", "finished"):
       np.testing.assert_array_equal(getattr(graph, field), getattr(host, field), field)

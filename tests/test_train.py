@@ -120,7 +120,7 @@ def _one_step_both_ways(kg, algorithm):
   tx = run_config.build_optimizer(config, "rl")
   plan = run_config.build_plan(config)
   sampler = Sampler(model)
-  iteration = train.make_rl_iteration(sampler, task.env, model, tx, algo, plan)
+  iteration = train.make_rl_iteration(task.agent(sampler), model, tx, algo, plan)
   params = init_params(model, jax.random.key(0))
   teacher = jax.tree.map(jnp.copy, params) if algo.distillation_beta is not None else None
   state = train_state.init_train_state(params, tx, jax.random.key(1))
@@ -128,7 +128,7 @@ def _one_step_both_ways(kg, algorithm):
   records, group_ids = task_lib.rl_prompts(task, config, 0)
   batch = task_lib.rl_batch(task, config, records)
   group_ids = jnp.asarray(group_ids, jnp.int32)
-  args = (state, (task.index, task.text), batch, group_ids, teacher)
+  args = (state, (task.search, task.tokenizer.text), batch, group_ids, teacher)
   text = iteration.lower(*args).as_text()
   one = iteration(*args)
 
@@ -227,7 +227,7 @@ def test_sft_teacher_fraction_trains_those_rows_on_the_privileged_prompt(kg):
     np.testing.assert_array_equal(action, want[2])
     for j, i in enumerate(drawn):
       r = records[i]
-      region = prompt_region([r["question"]], task.encode, width,
+      region = prompt_region([r["question"]], task.tokenizer.encode, width,
                              answers=[r["golden_answers"][0]])
       key = "teacher_prompt" if on_teacher[step][j] else "prompt"
       np.testing.assert_array_equal(tokens[j, :width], region[key if on_teacher[step][j]

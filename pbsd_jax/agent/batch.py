@@ -33,7 +33,7 @@ def prompt_region(questions: Sequence[str], encode: Encode, width: int,
     answers: B verified answers: also build the teacher's privileged prompts
       (`privileged.dual_prompts`), which must fit the same width.
     privileged_template: the privileged block of the teacher prompt.
-    chat: renders a user message as the model's prompt text (`Task.chat`: its chat template
+    chat: renders a user message as the model's prompt text (`Tokenizer.chat`: its chat template
       with the assistant's turn opened), or None for the plain prompt. The teacher's user
       message is the student's with the privileged block after it; the regions still share
       every trajectory column, since both are left-padded to P.

@@ -14,14 +14,16 @@ full, the episode ends as truncated. The rules on tokens (`AgentEnv`, `classify_
 `assemble_observation`) are the environment's, in `pbsd_jax.agent.env.agent_env`; this module
 drives the sampler through them.
 
-Two compositions of the same jitted pieces (`_act`, `_observe`):
-  * `ingraph_rollout`: the retriever is a device-resident BM25 index, so the whole episode,
-    turn loop included, is one XLA program;
+Two compositions of the same jitted pieces (`_act`, `_observe`), one per kind of search
+(`pbsd_jax.agent.env.retriever`), and `Agent.rollout`, the one place that picks between them:
+  * `ingraph_rollout`: the search is a `DeviceIndex`, so the whole episode, turn loop
+    included, is one XLA program;
   * `host_rollout`: a Python turn loop that calls any `Retriever` between the jitted pieces.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from typing import Any, Callable, Sequence
@@ -35,10 +37,9 @@ from pbsd_jax.agent import gold_chain
 from pbsd_jax.agent.env import actions, observations, rewards
 from pbsd_jax.agent.env.agent_env import (AgentEnv, KIND_ANSWER, KIND_EOS, KIND_SEARCH,
                                           assemble_observation, classify_turn)
-from pbsd_jax.agent.env.bm25 import BM25Index
-from pbsd_jax.agent.env.retriever import Document, RetrievalError
-from pbsd_jax.agent.env.sparse_bm25 import SparseBM25Index
+from pbsd_jax.agent.env.retriever import DeviceIndex, Document, RetrievalError, Retriever
 from pbsd_jax.agent.env.token_text import TokenText, answer_match, classify_bytes, turn_bytes
+from pbsd_jax.agent.tokenizer import Tokenizer
 from pbsd_jax.generate.sampling import DecodeState, STOP_BUFFER_FULL, Sampler
 
 Array = jax.Array
@@ -66,8 +67,8 @@ class Rollout:
     turn_kind: `i32[B, K]` each turn's `agent_env.KIND_*`, -1 for a turn not taken.
     turn_doc: `i32[B, K]` each search turn's top document (its corpus row, or a host
       retriever's numeric document id), -1 where there is none.
-    turn_label: `i32[B, K]` `gold_chain.turn_labels` when the gold chains were given,
-      else None.
+    turn_label: `i32[B, K]` each turn's `gold_chain.turn_labels` once `label_turns` gave it
+      the gold chains, else None.
     routes: `i32[B, T, layers, k]` each token's MoE routes in the sampler (-1 on padding)
       when it recorded them (`Sampler.record_routes`), else None.
   """
@@ -234,11 +235,8 @@ def _observe(sampler: Sampler, env: AgentEnv, params, ep: Episode, kind: Array, 
                     search_failures=ep.search_failures + (live & search & failed))
 
 
-def _finish(ep: Episode, prompt_mask: Array, group_ids: Array, reward: Array,
-            gold_docs: Array | None) -> Rollout:
+def _finish(ep: Episode, prompt_mask: Array, group_ids: Array, reward: Array) -> Rollout:
   state = ep.decode
-  labels = (None if gold_docs is None else
-            gold_chain.turn_labels(ep.turn_kind, ep.turn_doc, jnp.asarray(gold_docs)))
   return Rollout(tokens=state.tokens, action_mask=state.sampled, turn_ids=ep.turn_ids,
                  num_turns=ep.num_turns, length=state.cursor,
                  prompt_length=jnp.sum(prompt_mask, axis=1).astype(jnp.int32),
@@ -246,7 +244,7 @@ def _finish(ep: Episode, prompt_mask: Array, group_ids: Array, reward: Array,
                  group_ids=group_ids, sample_logp=state.sample_logp, reward=reward,
                  searches=ep.searches, search_failures=ep.search_failures,
                  prompt_width=prompt_mask.shape[1], turn_kind=ep.turn_kind,
-                 turn_doc=ep.turn_doc, turn_label=labels, routes=state.routes)
+                 turn_doc=ep.turn_doc, routes=state.routes)
 
 
 def _group_ids(b: int, group_ids: Array | None) -> Array:
@@ -256,11 +254,10 @@ def _group_ids(b: int, group_ids: Array | None) -> Array:
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def ingraph_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array,
-                    prompt_mask: Array, rng: Array, index: BM25Index | SparseBM25Index,
-                    gold: Array,
+                    prompt_mask: Array, rng: Array, index: DeviceIndex, gold: Array,
                     group_ids: Array | None = None, forced: Array | None = None,
-                    forced_length: Array | None = None, gold_docs: Array | None = None,
-                    text: TokenText | None = None) -> Rollout:
+                    forced_length: Array | None = None, text: TokenText | None = None
+                    ) -> Rollout:
   """The whole multi-turn rollout as one XLA program, retrieving from a device index.
 
   Args:
@@ -269,14 +266,12 @@ def ingraph_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array,
     params: policy parameters.
     prompts: `i32[B, P]` left-padded prompts; `prompt_mask: bool[B, P]`.
     rng: PRNG key (turn k uses `fold_in(rng, k)`).
-    index: the device-resident BM25 index (`BM25Index` or `SparseBM25Index`).
+    index: the `DeviceIndex` searched (`BM25Index` or `SparseBM25Index`).
     gold: `i32[B, G, L]` tokenised gold answers (-1 padded) for the token-level reward;
       with text tags their normalised bytes (`batch.gold_text_batch`) for the text-level one.
     group_ids: `i32[B]` (default: each row its own group).
     forced: optional `i32[max_turns, B, La]` actions to force instead of sampling, with
       `forced_length: i32[max_turns, B]` (for replaying oracle trajectories).
-    gold_docs: optional `i32[B, H]` chain documents (`gold_chain.gold_doc_batch`): the
-      rollout then labels its turns (`Rollout.turn_label`).
     text: the vocabulary's `TokenText`, needed where the tags are several tokens: turns end
       and are classified on their text, queries are the tokens holding the query's bytes,
       and the reward is the exact match of the last answer span (as `host_rollout`'s).
@@ -303,7 +298,7 @@ def ingraph_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array,
   reward = ep.reward if env.text_tags else rewards.token_answer_reward(
       ep.decode.tokens, ep.decode.sampled, env.answer_open, env.answer_close, gold,
       env.ignore_ids)
-  return _finish(ep, prompt_mask, _group_ids(prompts.shape[0], group_ids), reward, gold_docs)
+  return _finish(ep, prompt_mask, _group_ids(prompts.shape[0], group_ids), reward)
 
 
 def _document_tokens(doc: Document, encode: Callable[[str], list[int]], limit: int
@@ -364,11 +359,9 @@ def _pad_docs(docs: list[list[list[int]]], k: int, width: int) -> tuple[np.ndarr
 
 
 def host_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array, prompt_mask: Array,
-                 rng: Array, retriever: Any, encode: Callable[[str], list[int]],
-                 decode: Callable[[Sequence[int]], str], golden_answers: Sequence[Sequence[str]],
-                 group_ids: Array | None = None, forced: Array | None = None,
-                 forced_length: Array | None = None, gold_docs: Array | None = None,
-                 text: TokenText | None = None) -> Rollout:
+                 rng: Array, retriever: Retriever, tokenizer: Tokenizer,
+                 golden_answers: Sequence[Sequence[str]], group_ids: Array | None = None,
+                 forced: Array | None = None, forced_length: Array | None = None) -> Rollout:
   """The same episode as `ingraph_rollout`, with a host turn loop around any `Retriever`.
 
   Queries go to `retriever.retrieve_ids` when it has one (token-level, e.g. a
@@ -379,9 +372,10 @@ def host_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array, prompt
   (`max_observation_tokens` less the tags), so a 10 MB document costs what a short one does.
   The reward is text-level: SQuAD exact match of the last `<answer>` in the decoded action
   tokens. A search's top document is recorded (`Rollout.turn_doc`) when its id is a number.
-  Arguments as in `ingraph_rollout`, plus `encode`/`decode` (the policy's tokenizer), the gold
-  answers as strings and `text` (the vocabulary's `TokenText`, needed with text tags).
+  Arguments as in `ingraph_rollout`, plus the policy's `tokenizer` (its `text` is needed with
+  text tags) and the gold answers as strings.
   """
+  text, encode, decode = tokenizer.text, tokenizer.encode, tokenizer.decode
   _check_text(env, text)
   ep = _start(sampler, env, params, prompts, prompt_mask)
   # The most document tokens an observation shows.
@@ -417,5 +411,52 @@ def host_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array, prompt
   for b, golds in enumerate(golden_answers):
     segments = [decode(tokens[b][turn_ids[b] == k]) for k in range(int(ep.num_turns[b]))]
     reward[b] = rewards.trajectory_reward(segments, golds)
-  return _finish(ep, prompt_mask, _group_ids(prompts.shape[0], group_ids), jnp.asarray(reward),
-                 gold_docs)
+  return _finish(ep, prompt_mask, _group_ids(prompts.shape[0], group_ids), jnp.asarray(reward))
+
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Agent:
+  """What a rollout runs: the sampling settings, the environment's rules, the policy's
+  tokenizer and what it searches (a `DeviceIndex` or a host `Retriever`)."""
+
+  sampler: Sampler
+  env: AgentEnv
+  tokenizer: Tokenizer
+  search: DeviceIndex | Retriever
+
+  @property
+  def in_graph(self) -> bool:
+    """Whether the search runs inside the program (a `DeviceIndex`): the rollout is then one
+    XLA program that a jitted step can hold."""
+    return isinstance(self.search, DeviceIndex)
+
+  def rollout(self, params, rng: Array, batch: dict, group_ids: Array | None = None,
+              golden_answers: Sequence[Sequence[str]] = ()) -> Rollout:
+    """A batch of episodes: `ingraph_rollout` over a device index, else `host_rollout`
+    (whose text-level reward reads `golden_answers`, the rows' gold answers as strings).
+
+    Args:
+      params, rng, group_ids: as in `ingraph_rollout`.
+      batch: `prompts`, `prompt_mask` and `gold` (`batch.reward_gold`), optionally
+        `gold_docs` (the turns are then labelled, `label_turns`).
+      golden_answers: the rows' gold answers as strings (host retrievers).
+    """
+    if self.in_graph:
+      rollout = ingraph_rollout(self.sampler, self.env, params, batch["prompts"],
+                                batch["prompt_mask"], rng, self.search, batch["gold"], group_ids,
+                                text=self.tokenizer.text)
+    else:
+      rollout = host_rollout(self.sampler, self.env, params, batch["prompts"],
+                             batch["prompt_mask"], rng, self.search, self.tokenizer,
+                             golden_answers, group_ids)
+    if "gold_docs" in batch:
+      rollout = label_turns(rollout, batch["gold_docs"])
+    return rollout
+
+
+def label_turns(rollout: Rollout, gold_docs: Array) -> Rollout:
+  """`rollout` with its turns labelled against the gold chain documents `gold_docs: i32[B, H]`
+  (`gold_chain.gold_doc_batch`; `Rollout.turn_label`, what the credit-quality metrics read)."""
+  return rollout.replace(turn_label=gold_chain.turn_labels(rollout.turn_kind, rollout.turn_doc,
+                                                           jnp.asarray(gold_docs)))

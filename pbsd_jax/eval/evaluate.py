@@ -1,6 +1,6 @@
 """Evaluation of a policy on question records: accuracy, pass@k, tiers, behaviour statistics.
 
-The driver `evaluate` runs in-graph rollouts (`rollout.ingraph_rollout`) over the records in
+The driver `evaluate` runs an agent's rollouts (`rollout.Agent.rollout`) over the records in
 batches of one fixed shape -- the last batch is padded by repeating its own rows, which are
 dropped afterwards -- so one compilation serves a whole split. Each question is sampled
 `samples_per_question` = n times on consecutive rows; batch `i` samples with
@@ -14,6 +14,7 @@ outcomes, so they are tested on hand-made rows.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -25,10 +26,7 @@ import numpy as np
 from pbsd_jax import protocol
 from pbsd_jax.agent import gold_chain
 from pbsd_jax.agent.batch import prompt_region, reward_gold
-from pbsd_jax.agent.env.agent_env import AgentEnv
-from pbsd_jax.agent.env.bm25 import BM25Index
-from pbsd_jax.agent.rollout import host_rollout, ingraph_rollout
-from pbsd_jax.generate.sampling import Sampler
+from pbsd_jax.agent.rollout import Agent
 from pbsd_jax.models import ModelConfig
 from pbsd_jax.rl import credit_quality
 from pbsd_jax.rl.evidence import policy_batch
@@ -160,24 +158,20 @@ def summarize(outcomes: Mapping[str, np.ndarray], tiers: Sequence[str],
   }
 
 
-def evaluate(sampler: Sampler, env: AgentEnv, params: Any, records: Sequence[Mapping],
-             encode: Callable[[str], list[int]], index: Any, *, batch_size: int,
+def evaluate(agent: Agent, params: Any, records: Sequence[Mapping], *, batch_size: int,
              rng: jax.Array, prompt_width: int, gold_width: int, samples_per_question: int = 1,
              pass_k: Sequence[int] = DEFAULT_PASS_K,
              template: str = protocol.DEFAULT_PROMPT_TEMPLATE,
              progress: Callable[..., Iterable] = lambda it, **kw: it,
-             credit_algo: Any = None, decode: Callable[[Sequence[int]], str] | None = None,
-             text: Any = None, chat: Callable[[str], str] | None = None) -> dict:
+             credit_algo: Any = None) -> dict:
   """Rolls the policy out on `records` and returns `summarize`'s statistics.
 
   Args:
-    sampler: decoding settings (temperature 0 is greedy).
-    env: the environment settings (its `eos_id` ends an episode).
+    agent: the sampler (temperature 0 is greedy), environment, tokenizer and search
+      (`Agent.rollout`: in-graph over a device index, else the host turn loop, whose reward is
+      text-level).
     params: policy parameters.
     records: Q question records (`question`, `golden_answers`, optional `tier`).
-    encode: the tokenizer, text -> ids.
-    index: the device-resident BM25 index (in-graph rollouts), or a host `Retriever`
-      (`rollout.host_rollout`, which also needs `decode`; its reward is text-level).
     batch_size: rollout rows per call (every call has this shape).
     rng: PRNG key; batch i uses `fold_in(rng, i)`.
     prompt_width: P, the prompt region width.
@@ -189,9 +183,6 @@ def evaluate(sampler: Sampler, env: AgentEnv, params: Any, records: Sequence[Map
     credit_algo: the run's algorithm: when it computes turn evidence (PBSD, RLSD) and every
       record has a gold chain, each trajectory is also scored on its teacher prompt and the
       result gains `credit` (`credit_summary`, pooled over every labelled turn of the split).
-    decode: the tokenizer, ids -> text (host retrievers).
-    text: the vocabulary's `TokenText` where the tags are several tokens (`Task.text`).
-    chat: renders the prompt with the model's chat template (`Task.chat`).
 
   Returns:
     The dict of `summarize` (and `credit`).
@@ -206,11 +197,12 @@ def evaluate(sampler: Sampler, env: AgentEnv, params: Any, records: Sequence[Map
   # each batch takes its rows.
   with_credit = (credit_algo is not None and "logp_teacher" in credit_algo.needs
                  and all("chain" in r for r in records))
-  region = prompt_region([r["question"] for r in records], encode, prompt_width, template,
-                         answers=([r["golden_answers"][0] for r in records] if with_credit
-                                  else None), chat=chat)
-  gold = reward_gold([r["golden_answers"] for r in records], encode, gold_width,
-                     text_tags=text is not None)
+  tokenizer = agent.tokenizer
+  region = prompt_region([r["question"] for r in records], tokenizer.encode, prompt_width,
+                         template, answers=([r["golden_answers"][0] for r in records]
+                                            if with_credit else None), chat=tokenizer.chat)
+  gold = reward_gold([r["golden_answers"] for r in records], tokenizer.encode, gold_width,
+                     text_tags=tokenizer.text is not None)
   gold_docs = (gold_chain.gold_doc_batch(records, max(r["hops"] for r in records)) if with_credit
                else None)
   rows = np.repeat(np.arange(len(records)), samples_per_question)
@@ -219,22 +211,19 @@ def evaluate(sampler: Sampler, env: AgentEnv, params: Any, records: Sequence[Map
   for i in progress(range(num_batches), desc="eval", total=num_batches):
     chunk = rows[i * batch_size:(i + 1) * batch_size]
     padded = np.resize(chunk, batch_size)  # repeats the chunk's own rows: one shape
-    docs = None if gold_docs is None else gold_docs[padded]
-    if isinstance(index, BM25Index):
-      out = ingraph_rollout(sampler, env, params, region["prompts"][padded],
-                            region["prompt_mask"][padded], jax.random.fold_in(rng, i), index,
-                            gold[padded], gold_docs=docs, text=text)
-    else:
-      out = host_rollout(sampler, env, params, region["prompts"][padded],
-                         region["prompt_mask"][padded], jax.random.fold_in(rng, i), index,
-                         encode, decode, [records[r]["golden_answers"] for r in padded],
-                         gold_docs=docs, text=text)
+    batch = dict(prompts=region["prompts"][padded], prompt_mask=region["prompt_mask"][padded],
+                 gold=gold[padded])
+    if gold_docs is not None:
+      batch["gold_docs"] = gold_docs[padded]
+    out = agent.rollout(params, jax.random.fold_in(rng, i), batch,
+                        golden_answers=[records[r]["golden_answers"] for r in padded])
     stats = {"reward": out.reward, "num_turns": out.num_turns,
              "num_action_tokens": out.num_action_tokens, "finished": out.finished,
              "truncated": out.truncated}
     if with_credit:
       stats["turn_label"] = out.turn_label
-      stats["evidence"] = _turn_evidence(credit_algo, sampler.model, env.max_turns, params,
+      stats["evidence"] = _turn_evidence(credit_algo, agent.sampler.model, agent.env.max_turns,
+                                         params,
                                          out, region["teacher_prompt"][padded],
                                          region["teacher_prompt_mask"][padded])
     parts.append((len(chunk), stats))
@@ -272,36 +261,24 @@ def credit_summary(turn_label: np.ndarray, evidence: np.ndarray, solved: np.ndar
           "mean_abs_evidence": float(np.sum(np.where(labelled, np.abs(evidence), 0.0)) / n)}
 
 
-def evaluate_policy(model: ModelConfig, env: AgentEnv, params: Any, records: Sequence[Mapping],
-                    encode: Callable[[str], list[int]], index: Any, *, batch_size: int,
-                    rng: jax.Array, prompt_width: int, gold_width: int,
-                    samples_per_question: int = 1, temperature: float = 1.0,
-                    top_p: float = 0.95, top_k: int = 0,
-                    pass_k: Sequence[int] = DEFAULT_PASS_K,
-                    template: str = protocol.DEFAULT_PROMPT_TEMPLATE,
-                    progress: Callable[..., Iterable] = lambda it, **kw: it,
-                    credit_algo: Any = None, decode: Callable[[Sequence[int]], str] | None = None,
-                    text: Any = None, chat: Callable[[str], str] | None = None) -> dict:
+def evaluate_policy(agent: Agent, params: Any, records: Sequence[Mapping], *,
+                    samples_per_question: int = 1, credit_algo: Any = None, **kw) -> dict:
   """The paper's two evaluations: `{"greedy": ..., "top_p": ...}`, each `evaluate`'s dict.
 
-  Greedy decoding is deterministic, so it samples each question once; the nucleus run
-  (`temperature`, `top_p`, `top_k`; the paper's setting is 1.0 / 0.95 / off) samples
-  `samples_per_question` times and carries pass@k. The two runs use independent keys split
-  from `rng`. Other arguments as in `evaluate`.
+  The nucleus run samples with `agent.sampler` (the paper's setting: temperature 1.0, top-p
+  0.95, no top-k) `samples_per_question` times and carries pass@k; the greedy run is the
+  same sampler at temperature 0, which is deterministic, so it samples each question once.
+  The two runs use independent keys split from `kw["rng"]`. Other arguments (`kw`) as in
+  `evaluate`.
   """
-  greedy_rng, sample_rng = jax.random.split(rng)
-  shared = dict(batch_size=batch_size, prompt_width=prompt_width, gold_width=gold_width,
-                pass_k=pass_k, template=template, progress=progress, credit_algo=credit_algo,
-                decode=decode, text=text, chat=chat)
-  record = getattr(credit_algo, "replay_routing", False)  # its evidence replays the routes
-  greedy = Sampler(model, temperature=0.0, record_routes=record)
-  nucleus = Sampler(model, temperature=temperature, top_p=top_p, top_k=top_k,
-                    record_routes=record)
+  greedy_rng, sample_rng = jax.random.split(kw.pop("rng"))
+  greedy = dataclasses.replace(agent.sampler, temperature=0.0)
   return {
-      "greedy": evaluate(greedy, env, params, records, encode, index, rng=greedy_rng,
-                         samples_per_question=1, **shared),
-      "top_p": evaluate(nucleus, env, params, records, encode, index, rng=sample_rng,
-                        samples_per_question=samples_per_question, **shared),
+      "greedy": evaluate(dataclasses.replace(agent, sampler=greedy), params, records,
+                         rng=greedy_rng, samples_per_question=1, credit_algo=credit_algo, **kw),
+      "top_p": evaluate(agent, params, records, rng=sample_rng,
+                        samples_per_question=samples_per_question, credit_algo=credit_algo,
+                        **kw),
   }
 
 
@@ -355,13 +332,13 @@ def stratify(solve_counts: Sequence[int], num_samples: int, per_tier: int,
           for t, m in members.items()}
 
 
-def stratified_subset(sampler: Sampler, env: AgentEnv, params: Any, records: Sequence[Mapping],
-                      *, num_samples: int, per_tier: int, seed: int, **kw) -> tuple[list, dict]:
-  """The paper's BC(300) procedure on a pool: `num_samples` rollouts of every record under
-  `sampler` (`evaluate`, rng from `seed`), `stratify` by the solve counts, the drawn records.
+def stratified_subset(agent: Agent, params: Any, records: Sequence[Mapping], *,
+                      num_samples: int, per_tier: int, seed: int, **kw) -> tuple[list, dict]:
+  """The paper's BC(300) procedure on a pool: `num_samples` rollouts of every record by
+  `agent` (`evaluate`, rng from `seed`), `stratify` by the solve counts, the drawn records.
 
   Args:
-    sampler, env, params, records: as in `evaluate`; `kw` its other arguments.
+    agent, params, records: as in `evaluate`; `kw` its other arguments.
     num_samples: n, samples per question.
     per_tier: records drawn per tier.
     seed: the sampling key and the draw's seed.
@@ -374,7 +351,7 @@ def stratified_subset(sampler: Sampler, env: AgentEnv, params: Any, records: Seq
   Raises:
     ValueError: a tier of the pool holds fewer than `per_tier` records (`stratify`).
   """
-  result = evaluate(sampler, env, params, records, rng=jax.random.key(seed),
+  result = evaluate(agent, params, records, rng=jax.random.key(seed),
                     samples_per_question=num_samples, pass_k=(), **kw)
   counts = result["solve_counts"]
   chosen = stratify(counts, num_samples, per_tier, seed)

@@ -16,7 +16,7 @@ import json
 import os
 import re
 import shutil
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -24,10 +24,11 @@ import numpy as np
 from pbsd_jax import protocol
 from pbsd_jax.agent.batch import forced_batch, prompt_region, reward_gold
 from pbsd_jax.agent.env.agent_env import AgentEnv
-from pbsd_jax.agent.env.bm25 import BM25Index
+from pbsd_jax.agent.env.retriever import DeviceIndex, Retriever
 from pbsd_jax.agent.env.sparse_bm25 import INDEX_FILE as SPARSE_INDEX_FILE, SparseBM25Index
 from pbsd_jax.agent.gold_chain import gold_doc_batch
-from pbsd_jax.agent.rollout import ingraph_rollout
+from pbsd_jax.agent.rollout import Agent, ingraph_rollout
+from pbsd_jax.agent.tokenizer import Tokenizer
 from pbsd_jax.generate.sampling import Sampler
 from pbsd_jax.models import ModelConfig, init_params, param_shardings
 from pbsd_jax.parallel import sharding
@@ -43,45 +44,39 @@ class Task:
   """The task ready for the loop.
 
   Attributes:
-    vocab: the seqio vocabulary: the embedded task's SentencePiece model (single-token tags),
-      or the model's own tokenizer (`config.model.init_dir`; tags of several tokens).
+    tokenizer: the policy's tokenizer: the embedded task's SentencePiece model (single-token
+      tags), or the model's own (`config.model.init_dir`; tags of several tokens, and its
+      chat template).
     env: the environment settings.
-    retriever: the `Retriever` host rollouts call: the token BM25 over the corpus, a `bm25s`
-      index or a retrieval server.
-    index: the device index in-graph rollouts search (`BM25Index`, or `SparseBM25Index`:
-      `config.env.index`), None where there is none (a `bm25s` or HTTP retriever).
+    search: what rollouts search (`config.env.retriever`): the device index (`ingraph`), or
+      a host `Retriever`: the token BM25 behind a host call (`host`), a `bm25s` index or a
+      retrieval server.
+    index: the token BM25 on the devices (`BM25Index`, or `SparseBM25Index`:
+      `config.env.index`), which SFT's oracle replays search; None where there is none (a
+      `bm25s` or HTTP retriever over user data).
     splits: records by split: `rl_train`, `rl_validation`, `sft` (and `ood` in the embedded
       task).
-    chat: renders a user message as the model's prompt (its chat template), or None.
-    text: the vocabulary's `TokenText` when the tags are several tokens, else None.
   """
 
-  vocab: Any
+  tokenizer: Tokenizer
   env: AgentEnv
-  retriever: Any
-  index: BM25Index | SparseBM25Index | None
+  search: DeviceIndex | Retriever
+  index: DeviceIndex | None
   splits: dict[str, list[dict]]
-  chat: Callable[[str], str] | None = None
-  text: Any = None
 
-  def encode(self, text: str) -> list[int]:
-    return list(self.vocab.encode(text))
+  @property
+  def vocab(self) -> Any:
+    return self.tokenizer.vocab
 
-  def decode(self, ids) -> str:
-    return self.vocab.decode([int(i) for i in ids])
+  def agent(self, sampler: Sampler) -> Agent:
+    """The agent that samples with `sampler` on this task."""
+    return Agent(sampler, self.env, self.tokenizer, self.search)
 
   def gold(self, golden_answers: list[list[str]], width: int, num: int | None = None
            ) -> np.ndarray:
     """The gold of the in-graph reward for this vocabulary (`batch.reward_gold`)."""
-    return reward_gold(golden_answers, self.encode, width, num,
-                       text_tags=self.text is not None)
-
-  @property
-  def rollout_args(self) -> dict:
-    """What `evaluate.evaluate` needs to roll out on this task: in-graph over `index` when
-    there is one, else through `retriever` in the host loop."""
-    return dict(encode=self.encode, index=self.retriever if self.index is None else self.index,
-                decode=self.decode, text=self.text, chat=self.chat)
+    return reward_gold(golden_answers, self.tokenizer.encode, width, num,
+                       text_tags=self.tokenizer.text is not None)
 
   @functools.cached_property
   def rl_widths(self) -> tuple[int, int | None]:
@@ -255,31 +250,34 @@ def prepare_task(config, workdir: str) -> Task:
                                  "(a corpus JSONL with 'id' and 'contents')")
   try:
     # The token BM25 for the in-graph and host retrievers; the embedded task keeps it for
-    # any retriever (its SFT replays and evaluation search in-graph, as in training).
+    # any retriever (its SFT replays the oracle's searches in-graph).
     if kind in ("ingraph", "host") or not user_data:
       ids, contents = read_corpus(corpus)
       index = _token_index(config, kind, ids, contents, vocab)
-      retriever = TokenBM25Retriever(index, lambda t: list(vocab.encode(t)), contents, ids)
-    if kind == "bm25s":
-      retriever = (HostBM25Retriever.load(config.env.index_dir) if config.env.index_dir
-                   else HostBM25Retriever.from_jsonl(corpus))
-    elif kind == "http":
-      retriever = HttpRetriever(config.env.url, timeout_s=config.env.timeout_s,
-                                max_retries=config.env.max_retries)
-      _probe(retriever, config.env.url)
+    if kind == "ingraph":
+      search = index
+    elif kind == "host":
+      search = TokenBM25Retriever(index, lambda t: list(vocab.encode(t)), contents, ids)
+    elif kind == "bm25s":
+      search = (HostBM25Retriever.load(config.env.index_dir) if config.env.index_dir
+                else HostBM25Retriever.from_jsonl(corpus))
+    else:
+      search = HttpRetriever(config.env.url, timeout_s=config.env.timeout_s,
+                             max_retries=config.env.max_retries)
+      _probe(search, config.env.url)
   except (FileNotFoundError, ValueError) as err:
     if isinstance(err, run_config.ConfigError):
       raise
     field = "env.index_dir" if config.env.index_dir and kind != "http" else "data.corpus"
     raise run_config.ConfigError(f"config.{field}: {err}") from None
-  task = Task(vocab, env, retriever, index, splits, chat, text)
+  task = Task(Tokenizer(vocab, text, chat), env, search, index, splits)
   if user_data:
     _check_prompts(task, config)
   return task
 
 
 def _token_index(config, kind: str, ids: list[str], contents: list[str], vocab: Any
-                 ) -> BM25Index | SparseBM25Index:
+                 ) -> DeviceIndex:
   """The in-graph index of the corpus: `config.env.index_dir`'s sparse index
   (`scripts/build_index.py --tokenizer`) for the `ingraph` and `host` retrievers, else built
   here (`config.env.index`: dense, or sparse with a shard per device). A sparse index is
@@ -310,9 +308,9 @@ def _check_prompts(task: Task, config) -> None:
     for start in range(0, len(records), 1024):
       chunk = records[start:start + 1024]
       try:
-        prompt_region([r["question"] for r in chunk], task.encode, config.data.prompt_width,
-                      template, answers=[r["golden_answers"][0] for r in chunk],
-                      chat=task.chat)
+        prompt_region([r["question"] for r in chunk], task.tokenizer.encode,
+                      config.data.prompt_width, template,
+                      answers=[r["golden_answers"][0] for r in chunk], chat=task.tokenizer.chat)
       except ValueError as err:
         message = re.sub(r"(record|prompt) (\d+)",
                          lambda m: f"question {start + int(m.group(2))}", str(err))
@@ -350,12 +348,12 @@ def _trajectory_tokens(trajectory: str, task: Task) -> tuple[list[int], list[boo
   ids, trained, pos = [], [], 0
   open_ids, close_ids = task.env.tag_tokens("info_open"), task.env.tag_tokens("info_close")
   for match in _OBSERVATION.finditer(trajectory):
-    action = task.encode(trajectory[pos:match.start()].rstrip())
-    body = task.encode(match.group(1))
+    action = task.tokenizer.encode(trajectory[pos:match.start()].rstrip())
+    body = task.tokenizer.encode(match.group(1))
     ids += action + list(open_ids) + body + list(close_ids)
     trained += [True] * len(action) + [False] * (len(open_ids) + len(body) + len(close_ids))
     pos = match.end()
-  action = task.encode(trajectory[pos:])
+  action = task.tokenizer.encode(trajectory[pos:])
   return ids + action, trained + [True] * len(action)
 
 
@@ -368,8 +366,9 @@ def trajectory_sequences(task: Task, records: list[dict], config
     run_config.ConfigError: naming the record whose trajectory does not fit the buffer.
   """
   width = config.data.prompt_width
-  region = prompt_region([r["question"] for r in records], task.encode, width,
-                         protocol.PROMPT_TEMPLATES[config.data.prompt_template], chat=task.chat)
+  region = prompt_region([r["question"] for r in records], task.tokenizer.encode, width,
+                         protocol.PROMPT_TEMPLATES[config.data.prompt_template],
+                         chat=task.tokenizer.chat)
   rows = [_trajectory_tokens(r["trajectory"], task) for r in records]
   longest = max(len(ids) for ids, _ in rows)
   if width + longest > task.env.buffer_size:
@@ -404,16 +403,16 @@ def sft_sequences(task: Task, records: list[dict], config, model: ModelConfig,
   for start in range(0, len(records), chunk):
     rows = records[start:start + chunk]
     rows = rows + [rows[-1]] * (chunk - len(rows))  # one shape, one compile
-    region = prompt_region([r["question"] for r in rows], task.encode,
+    region = prompt_region([r["question"] for r in rows], task.tokenizer.encode,
                            config.data.prompt_width,
                            protocol.PROMPT_TEMPLATES[config.data.prompt_template],
-                           chat=task.chat)
-    forced, lengths = forced_batch([r["actions"] for r in rows], task.encode, env.max_turns,
-                                   env.max_action_tokens)
+                           chat=task.tokenizer.chat)
+    forced, lengths = forced_batch([r["actions"] for r in rows], task.tokenizer.encode,
+                                   env.max_turns, env.max_action_tokens)
     gold = task.gold([r["golden_answers"] for r in rows], config.data.gold_width, slots)
     rollout = ingraph_rollout(sampler, env, params, region["prompts"], region["prompt_mask"],
                               jax.random.key(0), task.index, gold, None, forced, lengths,
-                              text=task.text)
+                              text=task.tokenizer.text)
     keep = min(chunk, len(records) - start)
     out.append(jax.tree.map(lambda x: np.asarray(x)[:keep],
                             (rollout.tokens, rollout.mask, rollout.action_mask)))
@@ -439,10 +438,11 @@ def rl_batch(task: Task, config, records: list[dict]) -> dict[str, np.ndarray]:
   `records`; the teacher is told each record's first gold answer. Records with a gold chain
   (the embedded task) add its documents, `gold_docs` (`gold_chain.gold_doc_batch`), from
   which the rollout labels its turns."""
-  region = prompt_region([r["question"] for r in records], task.encode,
+  region = prompt_region([r["question"] for r in records], task.tokenizer.encode,
                          config.data.prompt_width,
                          protocol.PROMPT_TEMPLATES[config.data.prompt_template],
-                         answers=[r["golden_answers"][0] for r in records], chat=task.chat)
+                         answers=[r["golden_answers"][0] for r in records],
+                         chat=task.tokenizer.chat)
   slots, hops = task.rl_widths  # every step's batch has one shape
   batch = dict(**region, gold=task.gold([r["golden_answers"] for r in records],
                                         config.data.gold_width, slots))

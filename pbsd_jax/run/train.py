@@ -5,11 +5,11 @@ the `TrainState` (params, optimiser state, step, PRNG key) and the data position
 a pure function of the seed and the step (`pbsd_jax.run.task`), so a run killed at any point and
 restarted with the same command ends with exactly the parameters of an uninterrupted run.
 
-One RL step is `rl_iteration`: a rollout function samples the batch, then the update learns
-from it. With the in-graph retriever the whole step -- rollout, reward, dual likelihood,
-credit, update -- is one `jax.jit` program (`make_rl_iteration`), with or without frozen
-teacher parameters; with a host or HTTP retriever the rollout is a host turn loop
-(`host_rollout_fn`) followed by the jitted update (`learner.make_rl_step`).
+One RL step is `rl_iteration`: the agent samples the batch, then the update learns from it.
+`rl_step_fn` picks how: over a device index the whole step -- rollout, reward, dual
+likelihood, credit, update -- is one `jax.jit` program (`make_rl_iteration`), with or without
+frozen teacher parameters; with a host retriever the rollout is the host turn loop followed
+by the jitted update (`learner.make_rl_step`).
 
 Faults stay visible: each RL step logs its `searches` and `failed_searches`, and with a host
 retriever that counts its calls (`HttpRetriever.metrics`) the step's `retrieval/calls`,
@@ -21,7 +21,8 @@ non-finite for `rl.max_skipped_steps` steps in a row stops with one line.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable
+import dataclasses
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -31,8 +32,7 @@ from jax.sharding import Mesh
 
 from pbsd_jax import protocol
 from pbsd_jax.agent import privileged
-from pbsd_jax.agent.env.agent_env import AgentEnv
-from pbsd_jax.agent.rollout import Rollout, host_rollout, ingraph_rollout
+from pbsd_jax.agent.rollout import Agent, Rollout
 from pbsd_jax.eval.metric_log import MetricLog
 from pbsd_jax.generate.sampling import Sampler
 from pbsd_jax.models import ModelConfig, init_params, param_shardings
@@ -40,10 +40,6 @@ from pbsd_jax.parallel import sharding
 from pbsd_jax.rl import learner, train_state
 from pbsd_jax.run import checkpoint, run_config, workdir as workdir_lib
 from pbsd_jax.run.task import Task, rl_batch, rl_prompts, sft_sequences
-
-# `rollout_fn(params, rng, batch, group_ids) -> Rollout`: samples the episodes of one step.
-RolloutFn = Callable[[Any, jax.Array, dict, jax.Array], Rollout]
-
 
 def _checkpointer(config, workdir: str, name: str) -> checkpoint.Checkpointer:
   c = config.checkpoint
@@ -181,84 +177,90 @@ def _sft_rows(sequences: tuple[np.ndarray, ...], rows: np.ndarray, on_teacher: n
   return tokens, mask, action
 
 
-def ingraph_rollout_fn(sampler: Sampler, env: AgentEnv, index: Any, text: Any = None
-                       ) -> RolloutFn:
-  """`ingraph_rollout` over the batch's prompts and gold, retrieving from `index`; `text` is
-  the vocabulary's `TokenText` where the tags are several tokens."""
-  def rollout_fn(params, rng, batch, group_ids):
-    return ingraph_rollout(sampler, env, params, batch["prompts"], batch["prompt_mask"], rng,
-                           index, batch["gold"], group_ids, gold_docs=batch.get("gold_docs"),
-                           text=text)
-  return rollout_fn
-
-
-def host_rollout_fn(sampler: Sampler, env: AgentEnv, retriever: Any, encode: Callable,
-                    decode: Callable, golden_answers: list[list[str]], text: Any = None
-                    ) -> RolloutFn:
-  """`host_rollout` over the batch's prompts, calling `retriever`; the reward compares the
-  decoded answers with `golden_answers` (strings); `text` is the vocabulary's `TokenText`
-  where the tags are several tokens."""
-  def rollout_fn(params, rng, batch, group_ids):
-    return host_rollout(sampler, env, params, batch["prompts"], batch["prompt_mask"], rng,
-                        retriever, encode, decode, golden_answers, group_ids,
-                        gold_docs=batch.get("gold_docs"), text=text)
-  return rollout_fn
-
-
-def rl_iteration(rollout_fn: RolloutFn, update: Callable, state: train_state.TrainState,
-                 batch: dict, group_ids: jax.Array, teacher_params: Any = None
+def rl_iteration(agent: Agent, update: Callable, state: train_state.TrainState, batch: dict,
+                 group_ids: jax.Array, teacher_params: Any = None,
+                 golden_answers: Sequence[Sequence[str]] = ()
                  ) -> tuple[train_state.TrainState, Rollout, dict]:
-  """One RL step: sample with `rollout_fn`, then learn with `update`.
+  """One RL step: `agent` samples the batch (`Agent.rollout`), then `update` learns from it.
 
   Args:
-    rollout_fn: samples the step's episodes from the current parameters.
+    agent: samples the step's episodes from the current parameters.
     update: `(state, rollout, teacher_prompt, teacher_prompt_mask, teacher_params) ->
       (state, metrics)`, `learner.rl_step` or its jitted `learner.make_rl_step`.
     state: the train state; its PRNG key is split into the rollout's and the next state's.
     batch: `rl_batch`'s arrays (prompt regions, gold tokens).
     group_ids: `i32[B]` the prompt each row samples.
     teacher_params: frozen teacher parameters (OPSD), or None for the policy's own.
+    golden_answers: the rows' gold answers as strings (a host retriever's reward).
 
   Returns:
     `(new state, rollout, metrics)`.
   """
   rng, sample = jax.random.split(state.rng)
-  rollout = rollout_fn(state.params, sample, batch, group_ids)
+  rollout = agent.rollout(state.params, sample, batch, group_ids, golden_answers)
   state, metrics = update(state.replace(rng=rng), rollout, batch["teacher_prompt"],
                           batch["teacher_prompt_mask"], teacher_params)
   return state, rollout, metrics
 
 
-def make_rl_iteration(sampler: Sampler, env: AgentEnv, model: ModelConfig,
-                      tx: optax.GradientTransformation, algo: Any, plan: learner.UpdatePlan,
-                      mesh: Mesh | None = None) -> Callable:
-  """One RL step as one XLA program: in-graph rollout -> reward -> evidence -> update.
+def make_rl_iteration(agent: Agent, model: ModelConfig, tx: optax.GradientTransformation,
+                      algo: Any, plan: learner.UpdatePlan, mesh: Mesh | None = None
+                      ) -> Callable:
+  """One RL step of an in-graph agent as one XLA program: rollout -> reward -> evidence ->
+  update.
 
   Returns `step(state, search, batch, group_ids, teacher_params=None) -> (state, rollout,
-  metrics)`, jitted, where `search` is `(index, text)`: the `BM25Index` and the vocabulary's
-  `TokenText` (None where the tags are single tokens). The state is donated; the frozen
-  `teacher_params` are an argument, not donated, so the same copy serves every step. With a
-  mesh the shardings are explicit: the state's from `train_state_shardings`, the batch, group
-  ids and rollout rows over the data axes (each device samples its own rows), the index, the
-  vocabulary's text and the metrics replicated.
+  metrics)`, jitted, where `search` is `(index, text)`: the agent's `DeviceIndex` and its
+  tokenizer's `TokenText` (None where the tags are single tokens); they are arguments, not
+  constants of the program. The state is donated; the frozen `teacher_params` are an
+  argument, not donated, so the same copy serves every step. With a mesh the shardings are
+  explicit: the state's from `train_state_shardings`, the batch, group ids and rollout rows
+  over the data axes (each device samples its own rows), the index where it declares itself
+  (`DeviceIndex.shardings`: the sparse index's postings spread over the devices), the text
+  and the metrics replicated.
   """
+  if not agent.in_graph:
+    raise ValueError(f"a {type(agent.search).__name__} is searched from the host: its "
+                     "rollout cannot be part of a jitted step (rl_step_fn)")
   micro = None if mesh is None else learner.micro_batch_sharding(mesh)
 
   def update(state, rollout, teacher_prompt, teacher_prompt_mask, teacher_params):
     return learner.rl_step(state, rollout, teacher_prompt, teacher_prompt_mask, teacher_params,
-                           config=model, tx=tx, algo=algo, max_turns=env.max_turns, plan=plan,
-                           micro_sharding=micro)
+                           config=model, tx=tx, algo=algo, max_turns=agent.env.max_turns,
+                           plan=plan, micro_sharding=micro)
 
   def step(state, search, batch, group_ids, teacher_params=None):
-    return rl_iteration(ingraph_rollout_fn(sampler, env, *search), update, state, batch,
-                        group_ids, teacher_params)
+    index, text = search
+    traced = dataclasses.replace(agent, search=index,
+                                 tokenizer=dataclasses.replace(agent.tokenizer, text=text))
+    return rl_iteration(traced, update, state, batch, group_ids, teacher_params)
 
   if mesh is None:
     return jax.jit(step, donate_argnums=0)
   state_sh = train_state.train_state_shardings(model, tx, mesh)
   rows, whole = sharding.batch_sharding(mesh), sharding.replicated(mesh)
-  return learner.jit_with_optional_teacher(step, (state_sh, whole, rows, rows), state_sh.params,
-                                           (state_sh, rows, whole))
+  search_sh = (agent.search.shardings(mesh), whole)
+  return learner.jit_with_optional_teacher(step, (state_sh, search_sh, rows, rows),
+                                           state_sh.params, (state_sh, rows, whole))
+
+
+def rl_step_fn(agent: Agent, model: ModelConfig, tx: optax.GradientTransformation, algo: Any,
+               plan: learner.UpdatePlan, mesh: Mesh, teacher_params: Any = None) -> Callable:
+  """The loop's RL step, `step(state, batch, group_ids, golden_answers) -> (state, rollout,
+  metrics)`: one program (`make_rl_iteration`) for an in-graph agent, else the host rollout
+  followed by the jitted update (`learner.make_rl_step`)."""
+  if agent.in_graph:
+    program = make_rl_iteration(agent, model, tx, algo, plan, mesh)
+    search = (agent.search, agent.tokenizer.text)
+    return lambda state, batch, group_ids, golden_answers: program(
+        state, search, batch, group_ids, teacher_params)
+  update = learner.make_rl_step(model, tx, algo, agent.env.max_turns, plan, mesh=mesh)
+  # The host loop's arrays come back wherever its jitted pieces left them; the update takes
+  # the rollout's rows where the batch's are.
+  rows = sharding.batch_sharding(mesh)
+  placed = lambda state, rollout, *rest: update(state, jax.device_put(rollout, rows), *rest)
+  return lambda state, batch, group_ids, golden_answers: rl_iteration(
+      agent, placed, state, batch, group_ids, teacher_params, golden_answers)
 
 
 def save_rollout(path: str, rollout: Rollout) -> None:
@@ -316,7 +318,7 @@ def validation_accuracy(config, task: Task, model: ModelConfig, params: Any,
   from pbsd_jax.eval import evaluate
   records = task.splits["rl_validation"][:config.eval.num_examples]
   return evaluate.evaluate(
-      Sampler(model, temperature=0.0), task.env, params, records, **task.rollout_args,
+      task.agent(Sampler(model, temperature=0.0)), params, records,
       batch_size=min(50, len(records)), rng=jax.random.key(config.seed),
       prompt_width=config.data.prompt_width,
       gold_width=config.data.gold_width, progress=progress,
@@ -346,23 +348,13 @@ def rl_stage(config, task: Task, model: ModelConfig, params: Any, workdir: str,
   algo = run_config.build_algorithm(config)
   steps = config.rl.steps
   tx = run_config.build_optimizer(config, "rl")
-  sampler = run_config.build_sampler(config, model, "rollout")
   plan = run_config.build_plan(config)
+  agent = task.agent(run_config.build_sampler(config, model, "rollout"))
   # A host retriever's own counters (`HttpRetriever.metrics`: calls, retries, latency).
-  counters = (getattr(task.retriever, "metrics", None)
-              if config.env.retriever != "ingraph" else None)
+  counters = None if agent.in_graph else getattr(agent.search, "metrics", None)
   state = fresh_state(params, tx, model, mesh, config.seed + 1)
   teacher_params = jax.tree.map(jnp.copy, params) if algo.distillation_beta is not None else None
-  if config.env.retriever == "ingraph":
-    jitted = make_rl_iteration(sampler, task.env, model, tx, algo, plan, mesh)
-    iteration = lambda state, batch, group_ids, records: jitted(
-        state, (task.index, task.text), batch, group_ids, teacher_params)
-  else:
-    update = learner.make_rl_step(model, tx, algo, task.env.max_turns, plan, mesh=mesh)
-    iteration = lambda state, batch, group_ids, records: rl_iteration(
-        host_rollout_fn(sampler, task.env, task.retriever, task.encode, task.decode,
-                        [r["golden_answers"] for r in records], task.text),
-        update, state, batch, group_ids, teacher_params)
+  iteration = rl_step_fn(agent, model, tx, algo, plan, mesh, teacher_params)
 
   with _checkpointer(config, workdir, "ckpt_rl") as ckpt, \
       checkpoint.PreemptionGuard() as guard:
@@ -376,7 +368,8 @@ def rl_stage(config, task: Task, model: ModelConfig, params: Any, workdir: str,
     for step in bar:
       records, batch, group_ids = rl_inputs(task, config, step, mesh)
       before = counters() if counters else {}
-      state, rollout, metrics = iteration(state, batch, group_ids, records)
+      state, rollout, metrics = iteration(state, batch, group_ids,
+                                          [r["golden_answers"] for r in records])
       if counters:
         metrics = {**metrics, **retrieval_metrics(before, counters())}
       log.write("rl", step + 1, metrics)

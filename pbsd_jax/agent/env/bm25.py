@@ -31,11 +31,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pbsd_jax.agent.env.retriever import DeviceIndex
+
 Array = jax.Array
 
 
 @flax.struct.dataclass
-class BM25Index:
+class BM25Index(DeviceIndex):
   """BM25 term weights and the documents' tokens, all on device; a pytree, so a jit argument.
 
   Attributes:

@@ -1,8 +1,15 @@
-"""The retriever interface every search backend implements, and its failure type.
+"""The two search interfaces, device and host, and the host one's failure type.
 
-A retriever maps a batch of text queries to ranked documents. Backends: the device-resident
-`BM25Index` behind `TokenBM25Retriever`, the `bm25s`-backed `HostBM25Retriever`, and
-`HttpRetriever` (a Search-R1 retrieval server). The host turn loop only sees this interface.
+A search backend is one of two kinds, and the rollout dispatches on which
+(`pbsd_jax.agent.rollout.rollout`):
+  * a `DeviceIndex` lives on the devices and is searched inside the jitted turn loop, so a
+    whole episode is one XLA program: `BM25Index` (a dense `[V, N]` weight matrix) and
+    `SparseBM25Index` (CSR postings, sharded over the devices for a large corpus). Each
+    declares where its arrays live on a mesh (`shardings`), which a jitted step uses as the
+    index argument's sharding.
+  * a `Retriever` maps a batch of text queries to ranked documents from the host, between the
+    jitted pieces of the turn loop: `TokenBM25Retriever` (a device index behind a host call),
+    the `bm25s`-backed `HostBM25Retriever` and `HttpRetriever` (a Search-R1 retrieval server).
 
 Failure contract: `retrieve` either returns one list per query or raises `RetrievalError`, and
 nothing else, for failures the episode should survive (service down, timeouts, malformed
@@ -14,7 +21,9 @@ responses). The environment turns the error into an observation text
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Any, Protocol, Sequence, runtime_checkable
+
+import jax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +46,28 @@ class RetrievalError(Exception):
   def __init__(self, reason: str):
     super().__init__(reason)
     self.reason = reason
+
+
+class DeviceIndex:
+  """A search index on the devices, searched inside jitted programs; a pytree (the index
+  classes are `flax.struct` dataclasses), so a jit argument."""
+
+  def search(self, query_token_ids: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+    """Top-k documents of each query `i32[Q, L]` (-1 padded): `(f32[Q, k] scores,
+    i32[Q, k] document ids)`, best first, equal scores lower id first."""
+    raise NotImplementedError
+
+  def documents(self, doc_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The tokens of documents `doc_ids: i32[...]`: `(i32[..., width]` right-padded with -1,
+    `i32[...]` lengths)."""
+    raise NotImplementedError
+
+  def shardings(self, mesh: jax.sharding.Mesh) -> Any:
+    """The index's pytree with each array replaced by its `NamedSharding` on `mesh` (the
+    index argument's sharding in a jitted step): replicated unless the index spreads itself
+    over the devices."""
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    return jax.tree.map(lambda _: whole, self)
 
 
 @runtime_checkable

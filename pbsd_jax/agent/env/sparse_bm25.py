@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pbsd_jax.agent.env.bm25 import bm25_postings, check_documents
+from pbsd_jax.agent.env.retriever import DeviceIndex
 
 Array = jax.Array
 
@@ -45,7 +46,7 @@ _FIELDS = ("indptr", "postings", "weights", "doc_flat", "doc_offsets")
 
 
 @flax.struct.dataclass
-class SparseBM25Index:
+class SparseBM25Index(DeviceIndex):
   """The sharded CSR index of the module docstring; a pytree, so a jit argument.
 
   Attributes:
@@ -121,14 +122,16 @@ class SparseBM25Index:
     if self.num_shards % devices:
       raise ValueError(f"num_shards={self.num_shards} does not split over the {devices} "
                        f"devices of mesh axes {axes}")
-    spread = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axes))
+    placed = self.replace(mesh=mesh, shard_axes=axes)
+    return jax.device_put(placed, placed.shardings(mesh))
+
+  def shardings(self, mesh: jax.sharding.Mesh) -> "SparseBM25Index":
+    """Where `shard` placed the arrays: the postings over `shard_axes`, the documents'
+    tokens replicated (everything replicated for an index `shard` has not placed)."""
+    spread = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(self.shard_axes))
     whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    return self.replace(indptr=jax.device_put(self.indptr, spread),
-                        postings=jax.device_put(self.postings, spread),
-                        weights=jax.device_put(self.weights, spread),
-                        doc_flat=jax.device_put(self.doc_flat, whole),
-                        doc_offsets=jax.device_put(self.doc_offsets, whole),
-                        mesh=mesh, shard_axes=axes)
+    return self.replace(indptr=spread, postings=spread, weights=spread, doc_flat=whole,
+                        doc_offsets=whole)
 
   def _shard_scores(self, indptr: Array, postings: Array, weights: Array,
                     queries: Array) -> Array:
