@@ -39,18 +39,15 @@ monitoring.register_event_duration_secs_listener(
     lambda event, duration, **kw: compiles.__setitem__(0, compiles[0] + (event == COMPILE_EVENT)))
 
 
-def measure(config, task, model, mesh, steps: int) -> dict:
+def measure(spec, task, mesh, steps: int) -> dict:
   """Median warm step time and the compilations of each step on `mesh`."""
-  tx = run_config.build_optimizer(config, "rl")
-  algo = run_config.build_algorithm(config)
-  sampler = run_config.build_sampler(config, model, "rollout")
-  iteration = train.make_rl_iteration(task.agent(sampler), model, tx, algo,
-                                      run_config.build_plan(config), mesh)
-  state = train.fresh_state(train.initial_params(config, model, mesh), tx, model, mesh,
-                             config.seed)
+  model, tx = spec.model, spec.rl.optimizer
+  iteration = train.make_rl_iteration(task.agent(spec.sampler("rollout")), model, tx,
+                                      spec.algorithm, spec.rl.plan, mesh)
+  state = train.fresh_state(train.initial_params(spec, mesh), tx, model, mesh, spec.seed)
   times, per_step = [], []
   for step in range(steps):
-    _, batch, group_ids = train.rl_inputs(task, config, step, mesh)
+    _, batch, group_ids = train.rl_inputs(task, spec, step, mesh)
     before, start = compiles[0], time.perf_counter()
     state, _, metrics = iteration(state, (task.search, task.tokenizer.text), batch, group_ids)
     jax.block_until_ready((state, metrics))
@@ -59,14 +56,13 @@ def measure(config, task, model, mesh, steps: int) -> dict:
   return {"step_s": statistics.median(times[1:]), "compiles_per_step": per_step}
 
 
-def measure_rollout(config, task, model, mesh, steps: int) -> float:
+def measure_rollout(spec, task, mesh, steps: int) -> float:
   """Median warm time of the step's rollout alone (`ingraph_rollout`) on `mesh`."""
-  sampler = run_config.build_sampler(config, model, "rollout")
-  rollout_fn = jax.jit(task.agent(sampler).rollout)
-  params = train.initial_params(config, model, mesh)
+  rollout_fn = jax.jit(task.agent(spec.sampler("rollout")).rollout)
+  params = train.initial_params(spec, mesh)
   times = []
   for step in range(steps):
-    _, batch, group_ids = train.rl_inputs(task, config, step, mesh)
+    _, batch, group_ids = train.rl_inputs(task, spec, step, mesh)
     start = time.perf_counter()
     jax.block_until_ready(rollout_fn(params, jax.random.key(step), batch, group_ids))
     times.append(time.perf_counter() - start)
@@ -86,18 +82,17 @@ def main():
   config.model.name = args.size
   config.rollout.prompts_per_step, config.grpo.group_size = args.prompts, args.group
   config.rl.micro_batch_size = args.micro_batch_size
-  run_config.validate(config)
+  spec = run_config.validate(config)
   with tempfile.TemporaryDirectory() as workdir:
-    task = task_lib.prepare_task(config, workdir)
-    model = run_config.build_model_config(config, task.vocab.vocab_size)
-    one = measure(config, task, model, sharding.make_mesh(devices=jax.devices()[:1]),
-                  args.steps)
+    task = task_lib.prepare_task(spec, workdir)
+    spec = spec.for_vocabulary(task.vocab.vocab_size)
+    one = measure(spec, task, sharding.make_mesh(devices=jax.devices()[:1]), args.steps)
     mesh = sharding.make_mesh(2, 2, 2)
-    run_config.check_param_sharding(model, mesh)
-    eight = measure(config, task, model, mesh, args.steps)
+    run_config.check_param_sharding(spec.model, mesh)
+    eight = measure(spec, task, mesh, args.steps)
     # The rollout alone, and on 2 devices (one per core): what the 8 fake devices' per-token
     # synchronisation costs when they share 2 cores.
-    rollout = {name: measure_rollout(config, task, model, m, args.steps) for name, m in [
+    rollout = {name: measure_rollout(spec, task, m, args.steps) for name, m in [
         ("one_device", sharding.make_mesh(devices=jax.devices()[:1])), ("mesh_2x2x2", mesh),
         ("mesh_2x1x1", sharding.make_mesh(2, 1, 1, devices=jax.devices()[:2]))]}
   result = {"size": args.size, "algorithm": args.algorithm,

@@ -117,25 +117,24 @@ def main(argv):
       settings = config.copy_and_resolve_references()
       settings.algorithm, settings.seed = algorithm, seed
       settings.update_from_flattened_dict(overrides)
-      run_config.validate_for_script(settings)
-      variants.append((method, seed, settings))
+      variants.append((method, seed, run_config.validate_for_script(settings)))
   run = start_lib.start_run(config, workdir, force_resume=_FORCE_RESUME.value)
-  task, model, mesh = run.task, run.model, run.mesh
-  splits = {"validation": task.splits["rl_validation"][:config.eval.num_examples]}
+  spec, task, mesh = run.spec, run.task, run.mesh
+  splits = {"validation": task.splits["rl_validation"][:spec.eval.num_examples]}
   ood_flag, pool = ("--ood", _OOD.value) if _OOD.value else ("--ood_pool", _OOD_POOL.value)
   try:
     pool = task.records(pool) if pool else None
   except (FileNotFoundError, ValueError) as err:
     raise SystemExit(f"compare: {ood_flag}: {err}") from None
-  sft = train.sft_stage(config, task, model, workdir, MetricLog(workdir), mesh,
-                        progress=tqdm.tqdm, force_resume=_FORCE_RESUME.value)
+  sft = train.sft_stage(spec, task, workdir, MetricLog(workdir), mesh, progress=tqdm.tqdm,
+                        force_resume=_FORCE_RESUME.value)
   if _OOD.value:
     splits["ood"] = pool
   elif pool:
-    splits["ood"] = ood_tiers(os.path.join(workdir, "ood_tiers.jsonl"), pool, config, task,
-                              model, sft.params)
+    splits["ood"] = ood_tiers(os.path.join(workdir, "ood_tiers.jsonl"), pool, spec, task,
+                              sft.params)
 
-  def final_eval(run_dir, settings, params):
+  def final_eval(run_dir, settings: run_config.RunSpec, params):
     path = os.path.join(run_dir, "final_eval.json")
     result = {}
     if os.path.exists(path):
@@ -143,16 +142,13 @@ def main(argv):
         result = json.load(f)
     if all(name in result for name in splits):
       return result
-    algo = run_config.build_algorithm(settings)
     result |= {name: evaluate.evaluate_policy(
-        task.agent(run_config.build_sampler(settings, model, "eval")), params, records,
-        batch_size=_BATCH_SIZE.value,
+        task.agent(settings.sampler("eval")), params, records, batch_size=_BATCH_SIZE.value,
         rng=jax.random.fold_in(jax.random.key(settings.seed), i),
-        prompt_width=config.data.prompt_width, gold_width=config.data.gold_width,
-        template=protocol.PROMPT_TEMPLATES[config.data.prompt_template],
-        samples_per_question=_SAMPLES.value, pass_k=tuple(k for k in config.eval.pass_k
-                                                if k <= _SAMPLES.value),
-        credit_algo=algo,
+        prompt_width=settings.data.prompt_width, gold_width=settings.data.gold_width,
+        template=settings.data.template, samples_per_question=_SAMPLES.value,
+        pass_k=tuple(k for k in settings.eval.pass_k if k <= _SAMPLES.value),
+        credit_algo=settings.algorithm,
         progress=lambda it, **kw: tqdm.tqdm(it, leave=False, **kw))
         for i, (name, records) in enumerate(splits.items()) if name not in result}
     _write_json(path, result)
@@ -160,15 +156,17 @@ def main(argv):
 
   base = config.copy_and_resolve_references()
   base.algorithm = "pbsd"  # the SFT checkpoint is scored with PBSD's evidence
-  evals = {("sft", 0): final_eval(workdir, base, sft.params)}
+  evals = {("sft", 0): final_eval(workdir, run_config.validate_for_script(base).with_model(
+      spec.model), sft.params)}
   runs = {}
   for method, seed, settings in variants:  # seed-major: an interrupted invocation has every
     run_dir = os.path.join(workdir, f"{method}_seed{seed}")  # variant at the seeds it finished
-    workdir_lib.claim_for_script(run_dir, settings, force=_FORCE_RESUME.value)
-    policy_checkpoint.save_model_config(run_dir, model)
+    settings = settings.with_model(spec.model)
+    workdir_lib.claim_for_script(run_dir, settings.settings, force=_FORCE_RESUME.value)
+    policy_checkpoint.save_model_config(run_dir, spec.model)
     log = MetricLog(run_dir)
-    state = train.rl_stage(settings, task, model, sft.params, run_dir, log, mesh,
-                           progress=tqdm.tqdm, force_resume=_FORCE_RESUME.value)
+    state = train.rl_stage(settings, task, sft.params, run_dir, log, mesh, progress=tqdm.tqdm,
+                           force_resume=_FORCE_RESUME.value)
     evals[(method, seed)] = final_eval(run_dir, settings, state.params)
     runs[(method, seed)] = log.path
     print(f"compare: {method} seed {seed}: greedy validation "
@@ -178,7 +176,7 @@ def main(argv):
   print(f"compare: wrote {page}")
 
 
-def ood_tiers(path, pool, config, task, model, params):
+def ood_tiers(path, pool, spec, task, params):
   """The stratified OOD tiers of `pool` under the SFT `params` (module docstring), made once
   and read back from `path` after."""
   import tqdm
@@ -186,17 +184,16 @@ def ood_tiers(path, pool, config, task, model, params):
   from pbsd_jax.data import jsonl
   from pbsd_jax.data.records import read_records
   from pbsd_jax.eval import evaluate
-  from pbsd_jax.run import run_config
 
   if os.path.exists(path):
     return read_records(path)
-  sampler = run_config.build_sampler(config, model, _OOD_SAMPLING.value)
+  sampler = spec.sampler(_OOD_SAMPLING.value)
   try:
     rows, summary = evaluate.stratified_subset(
         task.agent(sampler), params, pool, num_samples=_OOD_SAMPLES.value,
         per_tier=_OOD_PER_TIER.value, seed=0, batch_size=_BATCH_SIZE.value,
-        prompt_width=config.data.prompt_width, gold_width=config.data.gold_width,
-        template=protocol.PROMPT_TEMPLATES[config.data.prompt_template],
+        prompt_width=spec.data.prompt_width, gold_width=spec.data.gold_width,
+        template=spec.data.template,
         progress=lambda it, **kw: tqdm.tqdm(it, leave=False, **kw))
   except ValueError as err:
     raise SystemExit(f"compare: --ood_pool: {err}") from None

@@ -40,12 +40,11 @@ def main(argv):
   start = time.time()
   config, workdir = _CONFIG.value, _WORKDIR.value
   run = start_lib.start_run(config, workdir, force_resume=_FORCE_RESUME.value)
-  task, model, mesh = run.task, run.model, run.mesh
+  spec, task, mesh = run.spec, run.task, run.mesh
   log = MetricLog(workdir)
 
-  def validation_accuracy(params, name, out_dir, settings=config):
-    result = train.validation_accuracy(settings, task, model, params, progress=tqdm.tqdm,
-                                       credit=True)
+  def validation_accuracy(params, name, out_dir, settings=spec):
+    result = train.validation_accuracy(settings, task, params, progress=tqdm.tqdm, credit=True)
     with open(os.path.join(out_dir, f"eval_{name}.json"), "w") as f:
       json.dump(result, f, indent=1, default=float)
     credit = result.get("credit")
@@ -58,23 +57,22 @@ def main(argv):
           f"generated tokens {result['mean_action_tokens']:.1f}{auc}", flush=True)
     return result["accuracy"]
 
-  sft_state = train.sft_stage(config, task, model, workdir, log, mesh, progress=tqdm.tqdm,
+  sft_state = train.sft_stage(spec, task, workdir, log, mesh, progress=tqdm.tqdm,
                               force_resume=_FORCE_RESUME.value)
   accuracy = {"sft": validation_accuracy(sft_state.params, "sft", workdir)}
   runs = {}
   for name in dict.fromkeys(("grpo", config.algorithm)):
     rl_config = config.copy_and_resolve_references()
     rl_config.algorithm = name
+    rl_spec = run_config.validate_for_script(rl_config).with_model(spec.model)
     run_dir = os.path.join(workdir, name)
-    workdir_lib.claim_for_script(run_dir, rl_config, force=_FORCE_RESUME.value)
-    policy_checkpoint.save_model_config(run_dir, model)
-    algo = run_config.build_algorithm(rl_config)
+    workdir_lib.claim_for_script(run_dir, rl_spec.settings, force=_FORCE_RESUME.value)
+    policy_checkpoint.save_model_config(run_dir, spec.model)
     run_log = MetricLog(run_dir)
-    rl_state = train.rl_stage(rl_config, task, model, sft_state.params, run_dir, run_log, mesh,
-                              progress=tqdm.tqdm, on_step=_credit_page(config, model, algo, task,
-                                                                       run_dir),
+    rl_state = train.rl_stage(rl_spec, task, sft_state.params, run_dir, run_log, mesh,
+                              progress=tqdm.tqdm, on_step=_credit_page(rl_spec, task, run_dir),
                               force_resume=_FORCE_RESUME.value)
-    accuracy[name] = validation_accuracy(rl_state.params, name, run_dir, rl_config)
+    accuracy[name] = validation_accuracy(rl_state.params, name, run_dir, rl_spec)
     report.plot_metrics(run_log.path, run_dir)
     runs[name] = run_log.path
   plots = [results.plot_panels(
@@ -96,7 +94,7 @@ _COMPARISONS = (
 )
 
 
-def _credit_page(config, model, algo, task, run_dir):
+def _credit_page(spec, task, run_dir):
   """An `rl_stage` step hook: two groups of the last step's rollout with mixed outcomes, each
   turn coloured by its evidence (post-update params) and labelled by the gold chain, written
   to `<run_dir>/credit.html` for algorithms with evidence."""
@@ -104,12 +102,15 @@ def _credit_page(config, model, algo, task, run_dir):
   from pbsd_jax.eval import report
   from pbsd_jax.rl import likelihood
 
+  algo = spec.algorithm
+
   def on_step(step, state, rollout, batch):
-    if step != config.rl.steps or "logp_teacher" not in algo.needs:
+    if step != spec.rl.steps or "logp_teacher" not in algo.needs:
       return
     teacher = privileged.teacher_sequence(rollout.tokens, rollout.mask, batch["teacher_prompt"],
                                           batch["teacher_prompt_mask"])
-    logp = likelihood.dual_logprobs(state.params, model, rollout.tokens, rollout.mask, *teacher)
+    logp = likelihood.dual_logprobs(state.params, spec.model, rollout.tokens, rollout.mask,
+                                    *teacher)
     view = report.credit_view(rollout, logp, algo, task.env.max_turns,
                               rows=report.mixed_group_rows(rollout, 2), step=step,
                               teacher_prompt=batch["teacher_prompt"],

@@ -51,9 +51,8 @@ def main(argv):
   import jax
   import tqdm
 
-  from pbsd_jax import protocol
   from pbsd_jax.eval import evaluate
-  from pbsd_jax.run import run_config, task as task_lib
+  from pbsd_jax.run import start
 
   logging.set_verbosity(logging.WARNING)
   config = _CONFIG.value
@@ -61,32 +60,27 @@ def main(argv):
   workdir = _WORKDIR.value or os.path.dirname(ckpt_dir)
   if _DATA_DIR.value:
     config.data.dir = _DATA_DIR.value
-  samples = _SAMPLES.value or max(config.eval.pass_k)
-  num_examples = (config.eval.num_examples if _NUM_EXAMPLES.value is None
-                  else _NUM_EXAMPLES.value)
-  run_config.validate_for_script(config)
-  template = protocol.PROMPT_TEMPLATES[config.data.prompt_template]
+  spec, task, params, step = start.start_evaluation(config, ckpt_dir, _STEP.value, workdir)
+  samples = _SAMPLES.value or max(spec.eval.pass_k)
+  num_examples = spec.eval.num_examples if _NUM_EXAMPLES.value is None else _NUM_EXAMPLES.value
   try:
-    task, model, params, step = task_lib.load_policy(config, ckpt_dir, _STEP.value, workdir,
-                                                     run_config.build_mesh(config))
     splits = {name: evaluate.head_per_tier(task.records(name), num_examples)
               for name in _SPLITS.value}
   except (FileNotFoundError, ValueError) as err:
     raise SystemExit(f"evaluate: {err}") from None
 
-  algo = run_config.build_algorithm(config)
+  sampling = spec.eval_sampling
   results = {"checkpoint": ckpt_dir, "step": step, "samples_per_question": samples,
-             "temperature": config.eval.temperature, "top_p": config.eval.top_p, "splits": {}}
+             "temperature": sampling.temperature, "top_p": sampling.top_p, "splits": {}}
   rng = jax.random.key(_SEED.value)
   for i, (name, records) in enumerate(splits.items()):
     got = evaluate.evaluate_policy(
-        task.agent(run_config.build_sampler(config, model, "eval")), params, records,
-        batch_size=_BATCH_SIZE.value,
-        rng=jax.random.fold_in(rng, i), prompt_width=config.data.prompt_width,
-        gold_width=config.data.gold_width,
-        samples_per_question=samples, pass_k=tuple(config.eval.pass_k), template=template,
+        task.agent(spec.sampler("eval")), params, records, batch_size=_BATCH_SIZE.value,
+        rng=jax.random.fold_in(rng, i), prompt_width=spec.data.prompt_width,
+        gold_width=spec.data.gold_width, template=spec.data.template,
+        samples_per_question=samples, pass_k=spec.eval.pass_k,
         progress=lambda it, **kw: tqdm.tqdm(it, leave=False, **kw),
-        credit_algo=algo)
+        credit_algo=spec.algorithm)
     results["splits"][name] = got
     print(f"\n{name} ({len(records)} questions), {os.path.basename(ckpt_dir)}"
           f"{'' if step is None else f' step {step}'}")

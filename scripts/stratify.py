@@ -49,7 +49,7 @@ def main(argv):
   from pbsd_jax import protocol
   from pbsd_jax.data import jsonl
   from pbsd_jax.eval import evaluate
-  from pbsd_jax.run import run_config, task as task_lib
+  from pbsd_jax.run import start
 
   logging.set_verbosity(logging.WARNING)
   config = _CONFIG.value
@@ -59,20 +59,19 @@ def main(argv):
     config.data.dir = _DATA_DIR.value
   if _SAMPLES.value < 1 or _PER_TIER.value < 1:
     raise app.UsageError("--samples and --per_tier must be >= 1")
-  run_config.validate_for_script(config)
+  spec, task, params, step = start.start_evaluation(config, ckpt_dir, _STEP.value, workdir,
+                                                    mesh=False)
   try:
-    task, model, params, step = task_lib.load_policy(config, ckpt_dir, _STEP.value, workdir)
     records = task.records(_SPLIT.value)
   except (FileNotFoundError, ValueError) as err:
     raise SystemExit(f"stratify: {err}") from None
 
-  sampler = run_config.build_sampler(config, model, _SAMPLING.value)
   try:
     rows, summary = evaluate.stratified_subset(
-        task.agent(sampler), params, records, num_samples=_SAMPLES.value,
-        per_tier=_PER_TIER.value, seed=_SEED.value, batch_size=_BATCH_SIZE.value,
-        prompt_width=config.data.prompt_width, gold_width=config.data.gold_width,
-        template=protocol.PROMPT_TEMPLATES[config.data.prompt_template],
+        task.agent(spec.sampler(_SAMPLING.value)), params, records,
+        num_samples=_SAMPLES.value, per_tier=_PER_TIER.value, seed=_SEED.value,
+        batch_size=_BATCH_SIZE.value, prompt_width=spec.data.prompt_width,
+        gold_width=spec.data.gold_width, template=spec.data.template,
         progress=lambda it, **kw: tqdm.tqdm(it, leave=False, **kw))
   except ValueError as err:
     raise SystemExit(f"stratify: {_SPLIT.value}: {err}") from None

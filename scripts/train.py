@@ -35,10 +35,10 @@ def main(argv):
   run = start.start_run(config, workdir, force_resume=force)
   log = MetricLog(workdir)
   progress = tqdm.tqdm if jax.process_index() == 0 else (lambda it, **kw: it)
-  state = train.sft_stage(config, run.task, run.model, workdir, log, run.mesh,
-                          progress=progress, force_resume=force)
-  train.rl_stage(config, run.task, run.model, state.params, workdir, log, run.mesh,
-                 progress=progress, force_resume=force)
+  state = train.sft_stage(run.spec, run.task, workdir, log, run.mesh, progress=progress,
+                          force_resume=force)
+  train.rl_stage(run.spec, run.task, state.params, workdir, log, run.mesh, progress=progress,
+                 force_resume=force)
 
 
 if __name__ == "__main__":

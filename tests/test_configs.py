@@ -30,6 +30,11 @@ def load(name, *overrides):
   return values.config
 
 
+def load_spec(name, *overrides, num_devices=1):
+  """`load`, validated into the run's `RunSpec` for a mesh over `num_devices` devices."""
+  return train.validate(load(name, *overrides), num_devices)
+
+
 @pytest.mark.parametrize("name", ["grpo", "pbsd", "opsd", "rlsd", "gear", "demo"])
 def test_every_config_loads_validates_and_names_its_algorithm(name):
   config = load(name)
@@ -201,12 +206,12 @@ def test_an_init_dir_model_is_read_in_the_runs_precision(tmp_path):
   saved = train.build_model_config(load("demo"), vocab_size=2048)
   params = init_params(saved, jax.random.key(0))
   policy_checkpoint.save_params(str(tmp_path), saved, params)
-  config = load("demo", f"--config.model.init_dir={tmp_path}",
-                "--config.model.param_dtype=bfloat16", "--config.model.dtype=bfloat16")
-  model = train.build_model_config(config, vocab_size=2048)
-  assert (model.param_dtype, model.dtype) == ("bfloat16", "bfloat16")
+  spec = load_spec("demo", f"--config.model.init_dir={tmp_path}",
+                   "--config.model.param_dtype=bfloat16",
+                   "--config.model.dtype=bfloat16").for_vocabulary(2048)
+  assert (spec.model.param_dtype, spec.model.dtype) == ("bfloat16", "bfloat16")
   mesh = sharding.make_mesh(devices=jax.devices()[:1])
-  got = loop.initial_params(config, model, mesh)
+  got = loop.initial_params(spec, mesh)
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(got)):
     assert b.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(b), np.asarray(a.astype(jnp.bfloat16)))

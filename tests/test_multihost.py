@@ -191,24 +191,24 @@ jax.monitoring.register_event_listener(
 
 def test_no_rl_step_after_the_first_compiles_again_on_the_mesh(kg):
   from pbsd_jax.run import task as task_lib, train
-  config = load("pbsd", *SMALL)
-  task = task_lib.prepare_task(config, os.path.dirname(kg.paths["spm_model"]))
+  spec = run_config.validate(load("pbsd", *SMALL, "--config.mesh.data=2",
+                                  "--config.mesh.fsdp=2", "--config.mesh.tensor=2"))
+  task = task_lib.prepare_task(spec, os.path.dirname(kg.paths["spm_model"]))
+  spec = spec.for_vocabulary(task.vocab.vocab_size)
   # Two steps whose questions have different numbers of golden answers: a batch shaped by
   # its own rows would recompile the second.
   answers = lambda step: max(len(r["golden_answers"])
-                             for r in task_lib.rl_prompts(task, config, step)[0])
+                             for r in task_lib.rl_prompts(task, spec, step)[0])
   first = 0
   second = next(s for s in range(1, 200) if answers(s) != answers(first))
-  model = run_config.build_model_config(config, task.vocab.vocab_size)
-  tx = run_config.build_optimizer(config, "rl")
+  model, tx = spec.model, spec.rl.optimizer
   mesh = sharding.make_mesh(2, 2, 2)
-  iteration = train.make_rl_iteration(
-      task.agent(run_config.build_sampler(config, model)), model, tx,
-      run_config.build_algorithm(config), run_config.build_plan(config), mesh)
-  state = train.fresh_state(train.initial_params(config, model, mesh), tx, model, mesh, 0)
+  iteration = train.make_rl_iteration(task.agent(spec.sampler("rollout")), model, tx,
+                                      spec.algorithm, spec.rl.plan, mesh)
+  state = train.fresh_state(train.initial_params(spec, mesh), tx, model, mesh, 0)
   counts = []
   for step in (first, second, second + 1):
-    _, batch, group_ids = train.rl_inputs(task, config, step, mesh)
+    _, batch, group_ids = train.rl_inputs(task, spec, step, mesh)
     before = len(_compiles)
     state, rollout, metrics = iteration(state, (task.search, task.tokenizer.text), batch,
                                         group_ids)

@@ -292,12 +292,12 @@ def test_a_bm25s_index_serves_host_rollouts_with_multi_token_tags(world, tmp_pat
   from pbsd_jax.agent.env.observations import format_document
   from pbsd_jax.agent.rollout import host_rollout
   from pbsd_jax.generate.sampling import Sampler
-  from pbsd_jax.run import policy_checkpoint, task as task_lib
+  from pbsd_jax.run import policy_checkpoint, run_config, task as task_lib
   index_dir = str(tmp_path / "index")
   _run([os.path.join("scripts", "build_index.py"), f"--corpus={world['corpus']}",
         f"--out={index_dir}"])
   config = _config(world, "--config.env.retriever=bm25s", f"--config.env.index_dir={index_dir}")
-  task = task_lib.prepare_task(config, str(tmp_path))
+  task = task_lib.prepare_task(run_config.validate(config, 1), str(tmp_path))
   assert task.index is None and isinstance(task.search, HostBM25Retriever)
   assert task.env.text_tags and task.tokenizer.text is not None
   model = policy_checkpoint.find_model_config(world["ckpt"])
@@ -345,7 +345,7 @@ def test_bad_real_model_inputs_fail_in_one_line_naming_the_field(world, tmp_path
   config = _config(world, "--config.env.timeout_s=0.5", "--config.env.max_retries=0",
                    *change(world, tmp_path))
   with pytest.raises(run_config.ConfigError, match=message):
-    task_lib.prepare_task(config, str(tmp_path))
+    task_lib.prepare_task(run_config.validate(config, 1), str(tmp_path))
 
 
 def test_a_tokenizer_larger_than_the_embedding_is_refused(world, tmp_path):
@@ -419,10 +419,10 @@ def test_chat_prompts_put_the_privileged_block_in_the_user_message(world, tmp_pa
   from pbsd_jax.agent import privileged
   from pbsd_jax.agent.batch import prompt_region
   from pbsd_jax.models.hf import chat_template
-  from pbsd_jax.run import task as task_lib
-  task = task_lib.prepare_task(_config(world, "--config.env.retriever=bm25s",
-                                       f"--config.data.corpus={world['corpus']}"),
-                               str(tmp_path))
+  from pbsd_jax.run import run_config, task as task_lib
+  task = task_lib.prepare_task(run_config.validate(_config(
+      world, "--config.env.retriever=bm25s", f"--config.data.corpus={world['corpus']}"), 1),
+      str(tmp_path))
   directory = os.path.join(world["ckpt"], "hf_assets")
   region = prompt_region(["Who founded Varnhollow?"], task.tokenizer.encode, 112,
                          answers=["Ditu Ponn"], chat=task.tokenizer.chat)
@@ -441,12 +441,12 @@ def vocab_decode(task, ids):
 
 
 def test_user_trajectories_train_on_the_actions_only(world, tmp_path):
-  from pbsd_jax.run import task as task_lib
-  config = _config(world, "--config.env.retriever=bm25s",
-                   f"--config.data.corpus={world['corpus']}",
-                   f"--config.data.sft_files={world['sft']}")
-  task = task_lib.prepare_task(config, str(tmp_path))
-  tokens, mask, action = task_lib.trajectory_sequences(task, task.splits["sft"][:2], config)
+  from pbsd_jax.run import run_config, task as task_lib
+  spec = run_config.validate(_config(world, "--config.env.retriever=bm25s",
+                                     f"--config.data.corpus={world['corpus']}",
+                                     f"--config.data.sft_files={world['sft']}"), 1)
+  task = task_lib.prepare_task(spec, str(tmp_path))
+  tokens, mask, action = task_lib.trajectory_sequences(task, task.splits["sft"][:2], spec.data)
   for b, record in enumerate(task.splits["sft"][:2]):
     row, trained = tokens[b][mask[b]], action[b][mask[b]]
     text = record["trajectory"]

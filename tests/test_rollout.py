@@ -397,7 +397,7 @@ def test_the_sparse_index_of_build_index_is_what_the_in_graph_run_searches(kg, s
   import sys
   from pbsd_jax.agent.env.sparse_bm25 import SparseBM25Index
   from pbsd_jax.run import task as task_lib
-  from test_configs import load
+  from test_configs import load_spec
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   done = subprocess.run(
       [sys.executable, os.path.join(root, "scripts", "build_index.py"),
@@ -405,9 +405,9 @@ def test_the_sparse_index_of_build_index_is_what_the_in_graph_run_searches(kg, s
        f"--tokenizer={kg.paths['spm_model']}", "--shards=8"],
       capture_output=True, text=True, timeout=300, env={**os.environ, "XLA_FLAGS": ""})
   assert done.returncode == 0, done.stderr[-2000:]
-  config = load("pbsd", f"--config.data.dir={os.path.dirname(kg.paths['spm_model'])}",
-                f"--config.env.index_dir={tmp_path / 'index'}")
-  task = task_lib.prepare_task(config, str(tmp_path / "run"))
+  spec = load_spec("pbsd", f"--config.data.dir={os.path.dirname(kg.paths['spm_model'])}",
+                   f"--config.env.index_dir={tmp_path / 'index'}")
+  task = task_lib.prepare_task(spec, str(tmp_path / "run"))
   index = task.index
   assert isinstance(index, SparseBM25Index) and index.num_docs == len(kg.corpus)
   assert len({s.device for s in index.postings.addressable_shards}) == 8

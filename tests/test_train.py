@@ -110,23 +110,21 @@ def _one_step_both_ways(kg, algorithm):
   from pbsd_jax.generate.sampling import Sampler
   from pbsd_jax.models import init_params
   from pbsd_jax.rl import learner, train_state
-  from pbsd_jax.run import run_config, task as task_lib, train
-  from test_configs import load
+  from pbsd_jax.run import task as task_lib, train
+  from test_configs import load_spec
 
-  config = load(algorithm, *SMALL)
-  task = task_lib.prepare_task(config, os.path.dirname(kg.paths["spm_model"]))
-  model = run_config.build_model_config(config, task.vocab.vocab_size)
-  algo = run_config.build_algorithm(config)
-  tx = run_config.build_optimizer(config, "rl")
-  plan = run_config.build_plan(config)
+  spec = load_spec(algorithm, *SMALL)
+  task = task_lib.prepare_task(spec, os.path.dirname(kg.paths["spm_model"]))
+  spec = spec.for_vocabulary(task.vocab.vocab_size)
+  model, algo, tx, plan = spec.model, spec.algorithm, spec.rl.optimizer, spec.rl.plan
   sampler = Sampler(model)
   iteration = train.make_rl_iteration(task.agent(sampler), model, tx, algo, plan)
   params = init_params(model, jax.random.key(0))
   teacher = jax.tree.map(jnp.copy, params) if algo.distillation_beta is not None else None
   state = train_state.init_train_state(params, tx, jax.random.key(1))
   separate = jax.tree.map(jnp.copy, state)  # the one program donates `state`
-  records, group_ids = task_lib.rl_prompts(task, config, 0)
-  batch = task_lib.rl_batch(task, config, records)
+  records, group_ids = task_lib.rl_prompts(task, spec, 0)
+  batch = task_lib.rl_batch(task, spec.data, records)
   group_ids = jnp.asarray(group_ids, jnp.int32)
   args = (state, (task.search, task.tokenizer.text), batch, group_ids, teacher)
   text = iteration.lower(*args).as_text()
@@ -138,7 +136,7 @@ def _one_step_both_ways(kg, algorithm):
   update = learner.make_rl_step(model, tx, algo, task.env.max_turns, plan)
   two = (*update(separate.replace(rng=rng), rollout, batch["teacher_prompt"],
                  batch["teacher_prompt_mask"], teacher), rollout)
-  return config, text, one, two
+  return spec, text, one, two
 
 
 def _assert_same_step(one, two, keys):
@@ -155,10 +153,10 @@ def _assert_same_step(one, two, keys):
 
 
 def test_one_jitted_call_runs_rollout_reward_evidence_credit_and_update(kg):
-  config, text, one, two = _one_step_both_ways(kg, "pbsd")
+  spec, text, one, two = _one_step_both_ways(kg, "pbsd")
   assert "while" in text  # the turn loop is inside the one program
   new_state, rollout, metrics = one
-  assert int(new_state.step) == 1 and rollout.tokens.shape == (4, config.env.buffer_size)
+  assert int(new_state.step) == 1 and rollout.tokens.shape == (4, spec.env.buffer_size)
   np.testing.assert_array_equal(rollout.group_ids, [0, 0, 1, 1])
   assert float(metrics["accuracy"]) == float(np.mean(rollout.reward))
   # The one program computes what the rollout and the update compute apart.
@@ -177,7 +175,7 @@ def test_a_converted_checkpoint_is_where_training_starts(kg, tmp_path):
 
   from pbsd_jax.models import ModelConfig, init_params
   from pbsd_jax.run import policy_checkpoint, run_config, train
-  from test_configs import load
+  from test_configs import load, load_spec
 
   model = ModelConfig(vocab_size=kg.vocab.vocab_size, hidden_size=32, num_layers=1,
                       num_heads=2, num_kv_heads=1, mlp_dim=64)
@@ -186,7 +184,8 @@ def test_a_converted_checkpoint_is_where_training_starts(kg, tmp_path):
   config = load("pbsd", f"--config.model.init_dir={tmp_path}")
   assert run_config.build_model_config(config, kg.vocab.vocab_size) == model
   mesh = run_config.build_mesh(config)  # the 8 fake devices: restored into shards
-  got = train.initial_params(config, model, mesh)
+  got = train.initial_params(load_spec("pbsd", f"--config.model.init_dir={tmp_path}")
+                             .for_vocabulary(kg.vocab.vocab_size), mesh)
   assert got["embedding"].sharding.mesh == mesh
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(params)):
     np.testing.assert_array_equal(a, b)
@@ -200,25 +199,25 @@ def test_sft_teacher_fraction_trains_those_rows_on_the_privileged_prompt(kg):
   import jax
 
   from pbsd_jax.agent.batch import prompt_region
-  from pbsd_jax.run import run_config, task as task_lib, train
-  from test_configs import load
+  from pbsd_jax.run import task as task_lib, train
+  from test_configs import load_spec
 
   def sequences(fraction):
-    config = load("demo", *SMALL, "--config.sft.steps=6",
-                  f"--config.sft.teacher_fraction={fraction}")
-    task = task_lib.prepare_task(config, os.path.dirname(kg.paths["spm_model"]))
-    model = run_config.build_model_config(config, task.vocab.vocab_size)
-    records = task.splits["sft"][:config.sft.max_examples]
-    return config, task, records, train._local_sft_sequences(
-        config, task, model, records, run_config.build_mesh(config, jax.devices()[:1]))
+    spec = load_spec("demo", *SMALL, "--config.sft.steps=6",
+                     f"--config.sft.teacher_fraction={fraction}")
+    task = task_lib.prepare_task(spec, os.path.dirname(kg.paths["spm_model"]))
+    spec = spec.for_vocabulary(task.vocab.vocab_size)
+    records = task.splits["sft"][:spec.sft.max_examples]
+    return spec, task, records, train._local_sft_sequences(
+        spec, task, records, spec.build_mesh(jax.devices()[:1]))
 
-  config, task, records, (rows, on_teacher, seqs) = sequences(0.5)
+  spec, task, records, (rows, on_teacher, seqs) = sequences(0.5)
   *_, (rows0, on_teacher0, seqs0) = sequences(0.0)
   np.testing.assert_array_equal(rows, rows0)
   assert not on_teacher0.any() and 0.2 < on_teacher.mean() < 0.8
-  width, size = config.data.prompt_width, config.sft.batch_size
-  for step in range(config.sft.steps):
-    drawn = np.random.default_rng([config.seed, step]).choice(len(records), size,
+  width, size = spec.data.prompt_width, spec.sft.batch_size
+  for step in range(spec.sft.steps):
+    drawn = np.random.default_rng([spec.seed, step]).choice(len(records), size,
                                                               replace=False)
     tokens, mask, action = train._sft_rows(seqs, rows[step], on_teacher[step])
     want = train._sft_rows(seqs0, rows0[step], on_teacher0[step])
@@ -262,11 +261,11 @@ def test_replayed_routing_scores_the_same_rollout_under_the_sampler_routes(kg, t
 def test_the_generator_fields_make_the_dataset_and_a_made_one_must_match(tmp_path):
   from pbsd_jax.data import world as world_lib
   from pbsd_jax.run import run_config, task as task_lib
-  from test_configs import load
+  from test_configs import load_spec
 
   family, hops = "--config.data.family_rate=1.0", "--config.data.hop_weights=(0.0,0.0,1.0)"
-  task_lib.prepare_task(load("pbsd", *SMALL, family, "--config.data.detour_share=0.5", hops),
-                        str(tmp_path))
+  task_lib.prepare_task(
+      load_spec("pbsd", *SMALL, family, "--config.data.detour_share=0.5", hops), str(tmp_path))
   with open(tmp_path / "data" / "sft.jsonl") as f:
     sft = [json.loads(line) for line in f]
   assert {r["hops"] for r in sft} == {3}
@@ -277,4 +276,4 @@ def test_the_generator_fields_make_the_dataset_and_a_made_one_must_match(tmp_pat
   assert sum(map(len, families)) > 1.5 * sum(map(len, default))
   with pytest.raises(run_config.ConfigError,
                      match=r"config\.data\.detour_share=0\.15: .* was made with 0\.5"):
-    task_lib.prepare_task(load("pbsd", *SMALL, family, hops), str(tmp_path))
+    task_lib.prepare_task(load_spec("pbsd", *SMALL, family, hops), str(tmp_path))

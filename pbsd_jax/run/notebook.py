@@ -56,29 +56,35 @@ def load_config(name: str = "demo", overrides: Mapping[str, Any] | None = None):
   return config
 
 
-def prepare(config, workdir: str):
-  """The task (data made under `workdir` when `config.data.dir` is missing), the model config
-  and a one-device mesh: `(task, model, mesh)`."""
+def prepare(config, workdir: str, devices=None):
+  """The run's spec, its task (data made under `workdir` when `config.data.dir` is missing)
+  and a mesh over `devices` (default: one device): `(spec, task, mesh)`; the spec's model
+  config is its vocabulary's (saved in `workdir`)."""
   import jax
   from pbsd_jax.run import policy_checkpoint, run_config, task as task_lib
-  task = task_lib.prepare_task(config, workdir)
-  model = run_config.build_model_config(config, task.vocab.vocab_size)
-  policy_checkpoint.save_model_config(workdir, model)
-  return task, model, run_config.build_mesh(config, devices=jax.devices()[:1])
+  spec = run_config.validate(config)
+  task = task_lib.prepare_task(spec, workdir)
+  spec = spec.for_vocabulary(task.vocab.vocab_size)
+  policy_checkpoint.save_model_config(workdir, spec.model)
+  return spec, task, spec.build_mesh(devices or jax.devices()[:1])
 
 
 def load_policy(config, ckpt_dir: str, workdir: str | None = None, step: int | None = None):
-  """`task.load_policy` for a path the user typed: `(task, model, params, step)`.
+  """`task.load_policy` for a path the user typed: `(spec, task, params, step)`, the spec's
+  model config the checkpoint's.
 
   Raises:
     NotebookError: no checkpoint at `ckpt_dir` (or not of this model), in one line.
   """
-  from pbsd_jax.run import task as task_lib
+  from pbsd_jax.run import run_config, task as task_lib
   ckpt_dir = os.path.abspath(os.path.expanduser(ckpt_dir))
+  spec = run_config.validate(config)
   try:
-    return task_lib.load_policy(config, ckpt_dir, step, workdir or os.path.dirname(ckpt_dir))
+    task, model, params, step = task_lib.load_policy(spec, ckpt_dir, step,
+                                                     workdir or os.path.dirname(ckpt_dir))
   except (FileNotFoundError, ValueError) as err:
     raise NotebookError(f"{ckpt_dir}: {err}") from None
+  return spec.with_model(model), task, params, step
 
 
 def run_script(name: str, *args: str) -> str:

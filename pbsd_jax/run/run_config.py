@@ -1,18 +1,21 @@
-"""A run configuration: validate a ConfigDict and build the pieces it names.
+"""The edge between a ConfigDict and the run: validate it once, into a typed `RunSpec`.
 
-With `pbsd_jax.run.train` (the loop) and `pbsd_jax.run.task` (data and environment), the only library
-modules that read a `ml_collections` ConfigDict (configs/ holds the files); everything they
-build takes plain values. `validate` runs at start-up, before data is read or anything
-compiles: it builds the objects the run will build -- algorithm, model config, environment,
-retrieval client, samplers, optimisers, update plan, mesh shape -- and runs the checkpointer's
-option checks, so the constructors are the one place each rule is written, and turns the first
-`ValueError` into a `ConfigError` naming the offending `config.<field>` in one line. What only
-the config knows (section choices, cross-section sizes) is checked here.
+`validate` runs at start-up, before data is read or anything compiles. It builds what the
+run will use -- algorithm, model config, samplers, optimisers, update plan, mesh shape --
+through their own constructors (so each rule is written once, where the object is), runs the
+checkpointer's option checks, turns the first `ValueError` into a `ConfigError` naming the
+offending `config.<field>` in one line, and returns them as a frozen `RunSpec`. This module
+(with the CLI and notebook override parsing) is the only one that reads a ConfigDict
+(configs/ holds the files); the scripts, the loop and the task take the spec.
+
+The model's embedding size of the embedded task comes from its vocabulary, which is read with
+the data: until then the spec's `model` is None, and `RunSpec.for_vocabulary` completes it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import re
 from typing import Any
 
@@ -28,6 +31,7 @@ from pbsd_jax.models import ModelConfig, param_shapes, param_shardings
 from pbsd_jax.models.sizes import SIZES
 from pbsd_jax.parallel import sharding
 from pbsd_jax.rl import algorithms, learner, train_state
+from pbsd_jax.run import workdir as workdir_lib
 
 RETRIEVERS = ("ingraph", "host", "bm25s", "http")
 # GRPO fields whose "off" is None in the algorithm and 0 in the config (command-line typed).
@@ -103,38 +107,60 @@ def build_algorithm(config) -> algorithms.GRPO:
     return algorithms.get(config.algorithm, **algorithm_hparams(config))
 
 
-def build_model_config(config, vocab_size: int | None = None) -> ModelConfig:
-  """The `ModelConfig` of `config.model.name` (the vocabulary's size for the embedded task),
-  or the `model_config.json` of `config.model.init_dir` when the run starts from a checkpoint
-  (e.g. `scripts/convert_hf.py` output), whose embedding must hold every id of its own
-  tokenizer (it may have more rows: HF checkpoints pad it), or be exactly the data vocabulary
-  when the directory has no tokenizer (a checkpoint of the embedded task's model)."""
-  if config.model.init_dir:
+@dataclasses.dataclass(frozen=True)
+class ModelSource:
+  """Where the run's model config comes from: a named size (`name`) or the checkpoint
+  directory `init_dir`, with the run's choice of how the layers are computed (`run_fields`:
+  `RUN_MODEL_FIELDS` and their values)."""
+
+  name: str
+  init_dir: str
+  run_fields: tuple[tuple[str, Any], ...]
+
+
+def model_config(source: ModelSource, vocab_size: int | None = None) -> ModelConfig:
+  """The `ModelConfig` of `source.name` (the vocabulary's size for the embedded task), or the
+  `model_config.json` of `source.init_dir` when the run starts from a checkpoint (e.g.
+  `scripts/convert_hf.py` output), whose embedding must hold every id of its own tokenizer
+  (it may have more rows: HF checkpoints pad it), or be exactly the data vocabulary when the
+  directory has no tokenizer (a checkpoint of the embedded task's model)."""
+  run = dict(source.run_fields)
+  if source.init_dir:
     from pbsd_jax.run import policy_checkpoint
-    model = policy_checkpoint.find_model_config(config.model.init_dir)
+    model = policy_checkpoint.find_model_config(source.init_dir)
     if model is None:
-      _fail("model.init_dir", config.model.init_dir, "holds no model_config.json")
+      _fail("model.init_dir", source.init_dir, "holds no model_config.json")
     if vocab_size is not None and model.vocab_size < vocab_size:
-      _fail("model.init_dir", config.model.init_dir,
+      _fail("model.init_dir", source.init_dir,
             f"the model's embedding has {model.vocab_size} rows, fewer than the "
             f"{vocab_size} ids of its vocabulary")
     if (vocab_size is not None and model.vocab_size != vocab_size
-        and policy_checkpoint.tokenizer_dir(config.model.init_dir) is None):
-      _fail("model.init_dir", config.model.init_dir,
+        and policy_checkpoint.tokenizer_dir(source.init_dir) is None):
+      _fail("model.init_dir", source.init_dir,
             f"holds no tokenizer, and the model's vocab_size={model.vocab_size} is not the "
             f"data vocabulary's {vocab_size}")
     with naming_fields({f: f"model.{f}" for f in RUN_MODEL_FIELDS}, "model"):
-      return model.replace(**{f: config.model[f] for f in RUN_MODEL_FIELDS})
-  name = config.model.name
-  if name not in SIZES:
-    _fail("model.name", name, f"unknown model size; known: {sorted(SIZES)}")
-  kwargs = dict(SIZES[name])
+      return model.replace(**run)
+  if source.name not in SIZES:
+    _fail("model.name", source.name, f"unknown model size; known: {sorted(SIZES)}")
+  kwargs = dict(SIZES[source.name])
   if "vocab_size" not in kwargs:
     if vocab_size is None:
-      _fail("model.name", name, "this size takes vocab_size from the vocabulary; none given")
+      _fail("model.name", source.name,
+            "this size takes vocab_size from the vocabulary; none given")
     kwargs["vocab_size"] = vocab_size
   with naming_fields({f: f"model.{f}" for f in RUN_MODEL_FIELDS}, "model"):
-    return ModelConfig(**kwargs, **{f: config.model[f] for f in RUN_MODEL_FIELDS})
+    return ModelConfig(**kwargs, **run)
+
+
+def _model_source(config) -> ModelSource:
+  return ModelSource(config.model.name, config.model.init_dir,
+                     tuple((f, config.model[f]) for f in RUN_MODEL_FIELDS))
+
+
+def build_model_config(config, vocab_size: int | None = None) -> ModelConfig:
+  """`model_config` of `config.model`."""
+  return model_config(_model_source(config), vocab_size)
 
 
 def build_optimizer(config, stage: str):
@@ -169,15 +195,14 @@ def build_plan(config) -> learner.UpdatePlan:
 def build_sampler(config, model: ModelConfig, section: str = "rollout") -> Sampler:
   """The `rollout` (training) or `eval` (top-p evaluation) sampler; it records MoE routes
   when the evidence replays them (`pbsd.replay_routing`)."""
-  c = config[section]
-  record = config.algorithm == "pbsd" and bool(config.pbsd.replay_routing)
-  if record and not model.is_moe:
+  settings = _sampler_settings(config, section)
+  if settings["record_routes"] and not model.is_moe:
     _fail("pbsd.replay_routing", config.pbsd.replay_routing,
           "needs an MoE model (model.num_experts > 0): a dense model has no routes to replay")
-  fields = {f: f"{section}.{f}" for f in ("temperature", "top_p", "top_k") if f in c}
+  fields = {f: f"{section}.{f}" for f in ("temperature", "top_p", "top_k")
+            if f in config[section]}
   with naming_fields(fields, section):
-    return Sampler(model, temperature=c.temperature, top_p=c.top_p, top_k=c.get("top_k", 0),
-                   record_routes=record)
+    return Sampler(model, **settings)
 
 
 def build_mesh(config, devices=None) -> Mesh:
@@ -188,10 +213,10 @@ def build_mesh(config, devices=None) -> Mesh:
                               devices=devices)
 
 
-def mesh_for_script(config, model: ModelConfig) -> Mesh:
+def mesh_for_script(spec: "RunSpec") -> Mesh:
   """The run's mesh at a script's start, checked by `check_param_sharding`."""
-  mesh = build_mesh(config)
-  check_param_sharding(model, mesh)
+  mesh = spec.build_mesh()
+  check_param_sharding(spec.model, mesh)
   return mesh
 
 
@@ -236,8 +261,235 @@ def model_before_data(config) -> ModelConfig:
   return build_model_config(config, None if config.model.init_dir else _STAND_IN_VOCAB)
 
 
-def validate(config, num_devices: int | None = None) -> None:
-  """Checks everything that can be checked before data is read or anything compiles.
+def _sampler_settings(config, section: str) -> dict:
+  c = config[section]
+  return dict(temperature=c.temperature, top_p=c.top_p, top_k=c.get("top_k", 0),
+              record_routes=config.algorithm == "pbsd" and bool(config.pbsd.replay_routing))
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerSettings:
+  """A sampler's settings (`config.rollout` or `config.eval`); `sampler` binds a model."""
+
+  temperature: float
+  top_p: float
+  top_k: int
+  record_routes: bool
+
+  def sampler(self, model: ModelConfig) -> Sampler:
+    return Sampler(model, **dataclasses.asdict(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSpec:
+  """The questions, the corpus and the prompts (`config.data`).
+
+  Attributes:
+    dir: the embedded task's dataset directory ("": `<workdir>/data`), made there when missing
+      and `make_if_missing`.
+    train_files, eval_files, sft_files: user files (Search-R1 questions; SFT trajectories).
+    corpus: the corpus JSONL ("": the embedded task's).
+    template: the student prompt template's text (`protocol.PROMPT_TEMPLATES`).
+    prompt_width: P, the prompt region's width.
+    gold_width: tokens per gold answer.
+    chat_template: render prompts with the `init_dir` model's chat template.
+    generator: the embedded task's generator arguments (`data.build.make_dataset`'s keyword
+      arguments: seed, world and split sizes, detour share), None with user files.
+  """
+
+  dir: str
+  make_if_missing: bool
+  train_files: tuple[str, ...]
+  eval_files: tuple[str, ...]
+  sft_files: tuple[str, ...]
+  corpus: str
+  template: str
+  prompt_width: int
+  gold_width: int
+  chat_template: bool
+  generator: dict | None
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvSpec:
+  """The environment's sizes (`config.env`; `AgentEnv.from_vocab` adds the vocabulary's)."""
+
+  buffer_size: int
+  max_turns: int
+  max_action_tokens: int
+  max_observation_tokens: int
+  max_query_tokens: int
+  top_k: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RetrievalSpec:
+  """What the rollouts search (`config.env`): `retriever` (`RETRIEVERS`), the device index
+  kind (`index`: dense or sparse) or a saved one (`index_dir`), the server's `url` with its
+  client's `timeout_s` and `max_retries`."""
+
+  retriever: str
+  index: str
+  index_dir: str
+  url: str
+  timeout_s: float
+  max_retries: int
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class SFTSpec:
+  """The SFT stage (`config.sft`): `steps` updates of `batch_size` rows drawn from the first
+  `max_examples` SFT records (0: all), `teacher_fraction` of them on the teacher's prompt;
+  its `optimizer` and `plan` (the LM head's chunk)."""
+
+  steps: int
+  batch_size: int
+  max_examples: int
+  teacher_fraction: float
+  optimizer: Any
+  plan: learner.UpdatePlan
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RLSpec:
+  """The RL stage (`config.rl`, `config.rollout`, `config.grpo.group_size`): `steps` steps of
+  `prompts_per_step` questions x `group_size` trajectories, learnt by `plan` with `optimizer`;
+  every `save_rollouts` steps the rollout is saved (0: never); the run
+  stops after `max_skipped_steps` steps in a row whose updates were all skipped (0: never)."""
+
+  steps: int
+  prompts_per_step: int
+  group_size: int
+  plan: learner.UpdatePlan
+  optimizer: Any
+  save_rollouts: int
+  max_skipped_steps: int
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalSpec:
+  """Evaluation (`config.eval`): greedy validation on `num_examples` questions every `every`
+  RL steps and every `sft_every` SFT steps (0: never), and the k of pass@k."""
+
+  every: int
+  sft_every: int
+  num_examples: int
+  pass_k: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSpec:
+  """The checkpointer's options (`config.checkpoint`)."""
+
+  save_interval_steps: int
+  max_to_keep: int
+  async_save: bool
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RunSpec:
+  """A validated run: everything the scripts, the task and the loop read.
+
+  Attributes:
+    algorithm: the configured algorithm (`rl.algorithms`).
+    model_source: where the model config comes from.
+    model: the model config; None until the vocabulary is known (`for_vocabulary`) for a
+      named size that takes its embedding from the data.
+    data, env, retrieval, sft, rl, eval, checkpoint: the sections.
+    rollout_sampling, eval_sampling: the training and top-p evaluation sampler settings.
+    mesh: `(data, fsdp, tensor)` as configured (-1: the remaining devices).
+    seed: the run's seed.
+    settings: the configuration as plain JSON values: what the workdir records and the
+      checkpoints fingerprint (`workdir.claim`, `workdir.fingerprint`).
+  """
+
+  algorithm: Any
+  model_source: ModelSource
+  model: ModelConfig | None
+  data: DataSpec
+  env: EnvSpec
+  retrieval: RetrievalSpec
+  sft: SFTSpec
+  rl: RLSpec
+  eval: EvalSpec
+  checkpoint: CheckpointSpec
+  rollout_sampling: SamplerSettings
+  eval_sampling: SamplerSettings
+  mesh: tuple[int, int, int]
+  seed: int
+  settings: dict
+
+  def for_vocabulary(self, vocab_size: int) -> "RunSpec":
+    """The spec with the model config of a vocabulary of `vocab_size` ids (`model_config`).
+
+    Raises:
+      ConfigError: the `init_dir` model's embedding cannot hold the vocabulary.
+    """
+    return self.with_model(model_config(self.model_source, vocab_size))
+
+  def with_model(self, model: ModelConfig) -> "RunSpec":
+    """The spec of another model config (e.g. a checkpoint's own)."""
+    return dataclasses.replace(self, model=model)
+
+  def sampler(self, section: str = "rollout") -> Sampler:
+    """The `rollout` (training) or `eval` (top-p evaluation) sampler of the model."""
+    settings = self.rollout_sampling if section == "rollout" else self.eval_sampling
+    return settings.sampler(self.model)
+
+  def build_mesh(self, devices=None) -> Mesh:
+    """The run's `('data', 'fsdp', 'tensor')` mesh over `devices` (default: every device of
+    every process)."""
+    with naming_fields({}, "mesh"):
+      return sharding.make_mesh(*self.mesh, devices=devices)
+
+
+def _files(value: str) -> tuple[str, ...]:
+  return tuple(f.strip() for f in value.split(",") if f.strip())
+
+
+def _stage_optimizer(config, stage: str):
+  """`build_optimizer` of a stage that runs; a stage of no steps gets an AdamW of the same
+  state (what a checkpoint of it restores into), whose schedule needs no steps."""
+  if config[stage].steps:
+    return build_optimizer(config, stage)
+  return train_state.make_optimizer(1.0)
+
+
+def _spec(config, model: ModelConfig) -> RunSpec:
+  """The `RunSpec` of a validated `config` (`model`: its model config before the data)."""
+  d, e, c = config.data, config.env, config.checkpoint
+  sampling = {s: SamplerSettings(**_sampler_settings(config, s)) for s in ("rollout", "eval")}
+  return RunSpec(
+      algorithm=build_algorithm(config), model_source=_model_source(config),
+      model=model if config.model.init_dir or "vocab_size" in SIZES[config.model.name] else None,
+      data=DataSpec(dir=d.dir, make_if_missing=d.make_if_missing,
+                    train_files=_files(d.train_files), eval_files=_files(d.eval_files),
+                    sft_files=_files(d.sft_files), corpus=d.corpus,
+                    template=protocol.PROMPT_TEMPLATES[d.prompt_template],
+                    prompt_width=d.prompt_width, gold_width=d.gold_width,
+                    chat_template=d.chat_template,
+                    generator=None if d.train_files else dataset_args(config)),
+      env=EnvSpec(**{f: e[f] for f in ENV_FIELDS}),
+      retrieval=RetrievalSpec(e.retriever, e.index, e.index_dir, e.url, e.timeout_s,
+                              e.max_retries),
+      sft=SFTSpec(config.sft.steps, config.sft.batch_size, config.sft.max_examples,
+                  config.sft.teacher_fraction,
+                  _stage_optimizer(config, "sft"),
+                  learner.UpdatePlan(chunk_size=config.rl.chunk_size or None)),
+      rl=RLSpec(config.rl.steps, config.rollout.prompts_per_step, config.grpo.group_size,
+                build_plan(config), _stage_optimizer(config, "rl"),
+                config.rl.save_rollouts, config.rl.max_skipped_steps),
+      eval=EvalSpec(config.eval.every, config.eval.sft_every, config.eval.num_examples,
+                    tuple(config.eval.pass_k)),
+      checkpoint=CheckpointSpec(c.save_interval_steps, c.max_to_keep, c.async_save),
+      rollout_sampling=sampling["rollout"], eval_sampling=sampling["eval"],
+      mesh=(config.mesh.data, config.mesh.fsdp, config.mesh.tensor), seed=config.seed,
+      settings=workdir_lib.as_dict(config))
+
+
+def validate(config, num_devices: int | None = None) -> RunSpec:
+  """Checks everything that can be checked before data is read or anything compiles, and
+  returns the run's `RunSpec`.
 
   Raises:
     ConfigError: naming the first field that cannot run.
@@ -317,6 +569,7 @@ def validate(config, num_devices: int | None = None) -> None:
   if config.rl.max_skipped_steps < 0:
     _fail("rl.max_skipped_steps", config.rl.max_skipped_steps, "must be >= 0 (0: never stop)")
   validate_checkpointer(config)
+  return _spec(config, model)
 
 
 def validate_checkpointer(config) -> None:
@@ -328,9 +581,9 @@ def validate_checkpointer(config) -> None:
     checkpoint.check_options(c.save_interval_steps, c.max_to_keep)
 
 
-def validate_for_script(config) -> None:
+def validate_for_script(config) -> RunSpec:
   """`validate` at a script's start: a bad config ends it (exit status 1) with one line."""
   try:
-    validate(config)
+    return validate(config)
   except ConfigError as err:
     raise SystemExit(f"FATAL config error: {err}") from None

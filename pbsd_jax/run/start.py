@@ -3,35 +3,55 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 from jax.sharding import Mesh
 
-from pbsd_jax.models import ModelConfig
 from pbsd_jax.run import policy_checkpoint, run_config, task as task_lib, workdir as workdir_lib
 
 
 @dataclasses.dataclass(frozen=True)
 class Started:
-  """A run ready for its stages: the task, the model config and the mesh."""
+  """A run ready for its stages: its spec (the model config of its vocabulary), the task and
+  the mesh."""
 
+  spec: run_config.RunSpec
   task: task_lib.Task
-  model: ModelConfig
   mesh: Mesh
 
 
 def start_run(config, workdir: str, *, force_resume: bool = False) -> Started:
-  """Validates `config` (`run_config.validate`), claims `workdir` (`workdir.claim`: a workdir
-  of another configuration is refused unless `force_resume`), prepares the task, builds the
-  model config for its vocabulary and the mesh (checked to shard the parameters), and saves
-  the model config and the model's tokenizer in `workdir` (the first process), where the
-  run's checkpoints find them. Each failure ends the script with one line."""
-  run_config.validate_for_script(config)
-  workdir_lib.claim_for_script(workdir, config, force=force_resume)
-  task = task_lib.prepare_task(config, workdir)
-  model = run_config.build_model_config(config, task.vocab.vocab_size)
-  mesh = run_config.mesh_for_script(config, model)
+  """Validates `config` into its `RunSpec`, claims `workdir` (`workdir.claim`: a workdir of
+  another configuration is refused unless `force_resume`), prepares the task, completes the
+  model config for its vocabulary, builds the mesh (checked to shard the parameters), and
+  saves the model config and the model's tokenizer in `workdir` (the first process), where
+  the run's checkpoints find them. Each failure ends the script with one line."""
+  spec = run_config.validate_for_script(config)
+  workdir_lib.claim_for_script(workdir, spec.settings, force=force_resume)
+  task = task_lib.prepare_task(spec, workdir)
+  spec = spec.for_vocabulary(task.vocab.vocab_size)
+  mesh = run_config.mesh_for_script(spec)
   if jax.process_index() == 0:  # the files every process would write alike
-    policy_checkpoint.save_model_config(workdir, model)
-    task_lib.save_tokenizer(config, workdir)
-  return Started(task, model, mesh)
+    policy_checkpoint.save_model_config(workdir, spec.model)
+    task_lib.save_tokenizer(spec, workdir)
+  return Started(spec, task, mesh)
+
+
+def start_evaluation(config, ckpt_dir: str, step: int | None, workdir: str, *,
+                     mesh: bool = True) -> tuple[run_config.RunSpec, task_lib.Task, Any,
+                                                 int | None]:
+  """What the evaluation scripts do first: validate `config`, prepare the task and read the
+  policy of `ckpt_dir` (`task.load_policy`; the latest step unless `step`), onto the run's
+  mesh with `mesh`, else one device. Returns `(spec, task, params, step)`, the spec's model
+  the checkpoint's. A config, checkpoint or data that cannot be used ends the script with one
+  line."""
+  spec = run_config.validate_for_script(config)
+  try:
+    task, model, params, step = task_lib.load_policy(spec, ckpt_dir, step, workdir,
+                                                     spec.build_mesh() if mesh else None)
+  except (FileNotFoundError, ValueError) as err:
+    if isinstance(err, run_config.ConfigError):
+      raise
+    raise SystemExit(f"error: {err}") from None
+  return spec.with_model(model), task, params, step

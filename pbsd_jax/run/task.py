@@ -1,6 +1,6 @@
 """The task a run trains and evaluates on: data, vocabulary, environment, retriever, batches.
 
-`prepare_task` reads (or makes) the dataset `config.data` names and builds the environment
+`prepare_task` reads (or makes) the dataset the spec names and builds the environment
 and retrievers; `load_policy` adds a checkpoint's policy for evaluation. The batches are pure
 functions of the records, the seed and the step: `rl_prompts` (which questions RL step k
 samples, each repeated G times), `rl_batch` (their student and teacher prompt regions and
@@ -33,6 +33,7 @@ from pbsd_jax.generate.sampling import Sampler
 from pbsd_jax.models import ModelConfig, init_params, param_shardings
 from pbsd_jax.parallel import sharding
 from pbsd_jax.run import policy_checkpoint, run_config
+from pbsd_jax.run.run_config import DataSpec, RunSpec
 
 
 _OBSERVATION = re.compile(re.escape(protocol.INFO_OPEN) + "(.*?)" + re.escape(protocol.INFO_CLOSE),
@@ -97,59 +98,55 @@ class Task:
                      ".jsonl/.parquet file")
 
 
-def _files(value: str) -> list[str]:
-  return [f.strip() for f in value.split(",") if f.strip()]
-
-
-def _user_records(config, field: str, vocab: Any) -> list[dict]:
-  """The records of the comma-separated files of `config.data.<field>`: questions through the
+def _user_records(spec: RunSpec, field: str, vocab: Any) -> list[dict]:
+  """The records of the files of `config.data.<field>`: questions through the
   seqio tasks of `data.tasks` (validated when registered), SFT trajectories
   (`records.TRAJECTORY_FIELDS`) read directly."""
   from pbsd_jax.data import records as records_lib, tasks
   records = []
-  for i, path in enumerate(_files(config.data[field])):
+  for i, path in enumerate(getattr(spec.data, field)):
     try:
       if field == "sft_files":
         records += records_lib.read_records(path, records_lib.TRAJECTORY_FIELDS)
       else:
         records += tasks.user_records(
-            f"pbsd_user_{field}_{i}", path, vocab,
-            protocol.PROMPT_TEMPLATES[config.data.prompt_template])
+            f"pbsd_user_{field}_{i}", path, vocab, spec.data.template)
     except (FileNotFoundError, ValueError) as err:
       raise run_config.ConfigError(f"config.data.{field}: {err}") from None
   return records
 
 
-def _model_vocabulary(config):
+def _model_vocabulary(spec: RunSpec):
   """The tokenizer and chat template of `config.model.init_dir`, or `(None, None)` when the
   directory holds no tokenizer (a checkpoint of the embedded task's model)."""
   from pbsd_jax.data import vocab as vocab_lib
   from pbsd_jax.models.hf import chat_template
-  directory = config.model.init_dir and policy_checkpoint.tokenizer_dir(config.model.init_dir)
+  init_dir = spec.model_source.init_dir
+  directory = init_dir and policy_checkpoint.tokenizer_dir(init_dir)
   if not directory:
     return None, None
   try:
     vocab = vocab_lib.model_vocabulary(directory)
   except (FileNotFoundError, ValueError) as err:
-    raise run_config.ConfigError(f"config.model.init_dir={config.model.init_dir!r}: {err}"
-                                 ) from None
-  if not config.data.chat_template:
+    raise run_config.ConfigError(f"config.model.init_dir={init_dir!r}: {err}") from None
+  if not spec.data.chat_template:
     return vocab, None
   try:
     chat_template.chat_template_source(directory)
   except ValueError as err:
     raise run_config.ConfigError(
-        f"config.model.init_dir={config.model.init_dir!r}: {err}; set "
+        f"config.model.init_dir={init_dir!r}: {err}; set "
         "config.data.chat_template=False for a plain prompt") from None
   return vocab, lambda message: chat_template.apply_chat_template(
       directory, [{"role": "user", "content": message}], add_generation_prompt=True)
 
 
-def save_tokenizer(config, workdir: str) -> None:
+def save_tokenizer(spec: RunSpec, workdir: str) -> None:
   """Copies `config.model.init_dir`'s tokenizer files to `<workdir>/tokenizer/`, where
   `policy_checkpoint.tokenizer_dir` finds them for the run's own checkpoints
   (`<workdir>/ckpt_*`)."""
-  source = config.model.init_dir and policy_checkpoint.tokenizer_dir(config.model.init_dir)
+  init_dir = spec.model_source.init_dir
+  source = init_dir and policy_checkpoint.tokenizer_dir(init_dir)
   target = os.path.join(workdir, "tokenizer")
   if not source or os.path.abspath(source) == os.path.abspath(target):
     return
@@ -170,12 +167,12 @@ def _probe(retriever, url: str) -> None:
                                  f"answer ({err.reason})") from None
 
 
-def _check_manifest(config, path: str) -> None:
+def _check_manifest(spec: RunSpec, path: str) -> None:
   """A dataset made with other generator arguments than the `data` section's fails naming
   the first field that differs (the field would otherwise change nothing)."""
   with open(path) as f:
     made = json.load(f)
-  args = run_config.dataset_args(config)
+  args = spec.data.generator
   for field, want, got in (
       ("data_seed", args["seed"], made["seed"]),
       ("family_rate", args["world_sizes"].family_rate, made["world_sizes"]["family_rate"]),
@@ -184,12 +181,12 @@ def _check_manifest(config, path: str) -> None:
        made["split_sizes"]["hop_weights"])):
     if want != got:
       raise run_config.ConfigError(
-          f"config.data.{field}={config.data[field]!r}: the dataset in {os.path.dirname(path)} "
+          f"config.data.{field}={want!r}: the dataset in {os.path.dirname(path)} "
           f"was made with {got!r} (make another data.dir, or set the field to match)")
 
 
-def prepare_task(config, workdir: str) -> Task:
-  """Reads the questions, the vocabulary and the corpus `config` names and builds the
+def prepare_task(spec: RunSpec, workdir: str) -> Task:
+  """Reads the questions, the vocabulary and the corpus `spec` names and builds the
   environment and retrievers.
 
   Questions: `config.data.train_files` / `eval_files` / `sft_files` (Search-R1 JSONL or parquet;
@@ -211,27 +208,27 @@ def prepare_task(config, workdir: str) -> Task:
   from pbsd_jax.agent.env.http import HttpRetriever
   from pbsd_jax.agent.env.token_retriever import TokenBM25Retriever
 
-  user_data = bool(config.data.train_files)
-  vocab, chat = _model_vocabulary(config)
+  user_data = bool(spec.data.train_files)
+  vocab, chat = _model_vocabulary(spec)
   if vocab is None and user_data:
     raise run_config.ConfigError(
-        f"config.model.init_dir={config.model.init_dir!r}: data.train_files needs a model "
+        f"config.model.init_dir={spec.model_source.init_dir!r}: data.train_files needs a model "
         "with its tokenizer (a scripts/convert_hf.py output)")
-  splits, corpus = {}, config.data.corpus
+  splits, corpus = {}, spec.data.corpus
   if user_data:
-    splits = {split: _user_records(config, field, vocab) if config.data[field] else []
+    splits = {split: _user_records(spec, field, vocab) if getattr(spec.data, field) else []
               for split, field in (("rl_train", "train_files"), ("rl_validation", "eval_files"),
                                    ("sft", "sft_files"))}
   else:
-    data_dir = config.data.dir or os.path.join(workdir, "data")
+    data_dir = spec.data.dir or os.path.join(workdir, "data")
     manifest = os.path.join(data_dir, "manifest.json")
     if not os.path.exists(manifest):
-      if not config.data.make_if_missing:
+      if not spec.data.make_if_missing:
         raise FileNotFoundError(f"config.data.dir={data_dir!r} holds no dataset "
                                 "(manifest.json is missing); run scripts/make_data.py")
-      make_dataset(data_dir, **run_config.dataset_args(config))
+      make_dataset(data_dir, **spec.data.generator)
     else:
-      _check_manifest(config, manifest)
+      _check_manifest(spec, manifest)
     splits = {name: read_records(os.path.join(data_dir, f"{name}.jsonl"))
               for name in ("rl_train", "rl_validation", "sft", "ood")}
     pool = os.path.join(data_dir, "ood_pool.jsonl")  # datasets made before it have none
@@ -241,11 +238,12 @@ def prepare_task(config, workdir: str) -> Task:
     if vocab is None:
       vocab = vocab_lib.sentencepiece_vocabulary(os.path.join(data_dir, "spm.model"))
   env = AgentEnv.from_vocab(vocab, ignore_ids=vocab_lib.whitespace_ids(vocab),
-                            **{f: config.env[f] for f in run_config.ENV_FIELDS})
+                            **dataclasses.asdict(spec.env))
   text = (token_text.build(vocab_lib.token_bytes(vocab), (vocab.eos_id, vocab.pad_id))
           if env.text_tags else None)
-  kind, index = config.env.retriever, None
-  if kind in ("ingraph", "host", "bm25s") and not (corpus or config.env.index_dir):
+  retrieval = spec.retrieval
+  kind, index = retrieval.retriever, None
+  if kind in ("ingraph", "host", "bm25s") and not (corpus or retrieval.index_dir):
     raise run_config.ConfigError(f"config.env.retriever={kind!r} needs config.data.corpus "
                                  "(a corpus JSONL with 'id' and 'contents')")
   try:
@@ -253,30 +251,30 @@ def prepare_task(config, workdir: str) -> Task:
     # any retriever (its SFT replays the oracle's searches in-graph).
     if kind in ("ingraph", "host") or not user_data:
       ids, contents = read_corpus(corpus)
-      index = _token_index(config, kind, ids, contents, vocab)
+      index = _token_index(spec, ids, contents, vocab)
     if kind == "ingraph":
       search = index
     elif kind == "host":
       search = TokenBM25Retriever(index, lambda t: list(vocab.encode(t)), contents, ids)
     elif kind == "bm25s":
-      search = (HostBM25Retriever.load(config.env.index_dir) if config.env.index_dir
+      search = (HostBM25Retriever.load(retrieval.index_dir) if retrieval.index_dir
                 else HostBM25Retriever.from_jsonl(corpus))
     else:
-      search = HttpRetriever(config.env.url, timeout_s=config.env.timeout_s,
-                             max_retries=config.env.max_retries)
-      _probe(search, config.env.url)
+      search = HttpRetriever(retrieval.url, timeout_s=retrieval.timeout_s,
+                             max_retries=retrieval.max_retries)
+      _probe(search, retrieval.url)
   except (FileNotFoundError, ValueError) as err:
     if isinstance(err, run_config.ConfigError):
       raise
-    field = "env.index_dir" if config.env.index_dir and kind != "http" else "data.corpus"
+    field = "env.index_dir" if retrieval.index_dir and kind != "http" else "data.corpus"
     raise run_config.ConfigError(f"config.{field}: {err}") from None
   task = Task(Tokenizer(vocab, text, chat), env, search, index, splits)
   if user_data:
-    _check_prompts(task, config)
+    _check_prompts(task, spec.data)
   return task
 
 
-def _token_index(config, kind: str, ids: list[str], contents: list[str], vocab: Any
+def _token_index(spec: RunSpec, ids: list[str], contents: list[str], vocab: Any
                  ) -> DeviceIndex:
   """The in-graph index of the corpus: `config.env.index_dir`'s sparse index
   (`scripts/build_index.py --tokenizer`) for the `ingraph` and `host` retrievers, else built
@@ -284,8 +282,9 @@ def _token_index(config, kind: str, ids: list[str], contents: list[str], vocab: 
   placed shard by shard over every device of the run's mesh."""
   from pbsd_jax.agent.env.token_retriever import build_index
   from pbsd_jax.data import vocab as vocab_lib
-  saved = os.path.join(config.env.index_dir, SPARSE_INDEX_FILE)
-  if config.env.index_dir and kind in ("ingraph", "host"):
+  retrieval = spec.retrieval
+  saved = os.path.join(retrieval.index_dir, SPARSE_INDEX_FILE)
+  if retrieval.index_dir and retrieval.retriever in ("ingraph", "host"):
     index = SparseBM25Index.load(saved)
     if index.num_docs != len(contents):
       raise ValueError(f"{saved} indexes {index.num_docs} documents, the corpus has "
@@ -293,44 +292,43 @@ def _token_index(config, kind: str, ids: list[str], contents: list[str], vocab: 
   else:
     index = build_index(contents, lambda t: list(vocab.encode(t)), vocab.vocab_size, ids,
                         ignore_ids=vocab_lib.non_term_ids(vocab),
-                        sparse_shards=jax.device_count() if config.env.index == "sparse" else 0)
+                        sparse_shards=jax.device_count() if retrieval.index == "sparse" else 0)
   if isinstance(index, SparseBM25Index):
-    index = index.shard(run_config.build_mesh(config), sharding.MESH_AXES)
+    index = index.shard(spec.build_mesh(), sharding.MESH_AXES)
   return index
 
 
-def _check_prompts(task: Task, config) -> None:
+def _check_prompts(task: Task, data: DataSpec) -> None:
   """Every user question's student and teacher prompts fit `config.data.prompt_width`, checked
   once at start-up (the embedded task's fit by construction)."""
-  template = protocol.PROMPT_TEMPLATES[config.data.prompt_template]
   for split, field in (("rl_train", "train_files"), ("rl_validation", "eval_files")):
     records = task.splits[split]
     for start in range(0, len(records), 1024):
       chunk = records[start:start + 1024]
       try:
         prompt_region([r["question"] for r in chunk], task.tokenizer.encode,
-                      config.data.prompt_width, template,
+                      data.prompt_width, data.template,
                       answers=[r["golden_answers"][0] for r in chunk], chat=task.tokenizer.chat)
       except ValueError as err:
         message = re.sub(r"(record|prompt) (\d+)",
                          lambda m: f"question {start + int(m.group(2))}", str(err))
-        raise run_config.ConfigError(f"config.data.prompt_width={config.data.prompt_width}: "
+        raise run_config.ConfigError(f"config.data.prompt_width={data.prompt_width}: "
                                      f"data.{field}: {message}") from None
 
 
-def load_policy(config, ckpt_dir: str, step: int | None, workdir: str, mesh: Any = None
-                ) -> tuple[Task, ModelConfig, Any, int | None]:
+def load_policy(spec: RunSpec, ckpt_dir: str, step: int | None, workdir: str,
+                mesh: Any = None) -> tuple[Task, ModelConfig, Any, int | None]:
   """The task and a checkpoint's policy, for evaluation: `(task, model, params, step)`.
 
   A missing checkpoint fails before any data is read. The model config is the checkpoint's
-  `model_config.json` when there is one, else `config.model`. With a `mesh`, the params are
+  `model_config.json` when there is one, else the spec's. With a `mesh`, the params are
   read straight into their shardings on it (after `run_config.check_param_sharding`).
   """
   from pbsd_jax.parallel import sharding
   policy_checkpoint.params_path(ckpt_dir, step)
-  task = prepare_task(config, workdir)
+  task = prepare_task(spec, workdir)
   model = (policy_checkpoint.find_model_config(ckpt_dir)
-           or run_config.build_model_config(config, task.vocab.vocab_size))
+           or spec.for_vocabulary(task.vocab.vocab_size).model)
   shardings = None
   if mesh is not None:
     run_config.check_param_sharding(model, mesh)
@@ -357,7 +355,7 @@ def _trajectory_tokens(trajectory: str, task: Task) -> tuple[list[int], list[boo
   return ids + action, trained + [True] * len(action)
 
 
-def trajectory_sequences(task: Task, records: list[dict], config
+def trajectory_sequences(task: Task, records: list[dict], data: DataSpec
                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """User SFT trajectories (`question`, `trajectory`) in the rollout layout: `(tokens, mask,
   action_mask)`, the prompt region then the trajectory from column P, cropped to the longest.
@@ -365,10 +363,9 @@ def trajectory_sequences(task: Task, records: list[dict], config
   Raises:
     run_config.ConfigError: naming the record whose trajectory does not fit the buffer.
   """
-  width = config.data.prompt_width
+  width = data.prompt_width
   region = prompt_region([r["question"] for r in records], task.tokenizer.encode, width,
-                         protocol.PROMPT_TEMPLATES[config.data.prompt_template],
-                         chat=task.tokenizer.chat)
+                         data.template, chat=task.tokenizer.chat)
   rows = [_trajectory_tokens(r["trajectory"], task) for r in records]
   longest = max(len(ids) for ids, _ in rows)
   if width + longest > task.env.buffer_size:
@@ -387,14 +384,14 @@ def trajectory_sequences(task: Task, records: list[dict], config
   return tokens, mask, action
 
 
-def sft_sequences(task: Task, records: list[dict], config, model: ModelConfig,
+def sft_sequences(task: Task, records: list[dict], data: DataSpec, model: ModelConfig,
                   chunk: int = 256) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """SFT sequences `(tokens, mask, action_mask)`, cropped to the longest (`[N, W]`): user
   trajectories as written (`trajectory_sequences`), or oracle trajectories replayed through
   the environment, whose observations are what it returns for the oracle's queries.
   """
   if all("trajectory" in r for r in records):
-    return trajectory_sequences(task, records, config)
+    return trajectory_sequences(task, records, data)
   env = task.env
   sampler = Sampler(model)
   params = init_params(model, jax.random.key(0))  # forced actions: the weights are unused
@@ -404,12 +401,10 @@ def sft_sequences(task: Task, records: list[dict], config, model: ModelConfig,
     rows = records[start:start + chunk]
     rows = rows + [rows[-1]] * (chunk - len(rows))  # one shape, one compile
     region = prompt_region([r["question"] for r in rows], task.tokenizer.encode,
-                           config.data.prompt_width,
-                           protocol.PROMPT_TEMPLATES[config.data.prompt_template],
-                           chat=task.tokenizer.chat)
+                           data.prompt_width, data.template, chat=task.tokenizer.chat)
     forced, lengths = forced_batch([r["actions"] for r in rows], task.tokenizer.encode,
                                    env.max_turns, env.max_action_tokens)
-    gold = task.gold([r["golden_answers"] for r in rows], config.data.gold_width, slots)
+    gold = task.gold([r["golden_answers"] for r in rows], data.gold_width, slots)
     rollout = ingraph_rollout(sampler, env, params, region["prompts"], region["prompt_mask"],
                               jax.random.key(0), task.index, gold, None, forced, lengths,
                               text=task.tokenizer.text)
@@ -421,31 +416,30 @@ def sft_sequences(task: Task, records: list[dict], config, model: ModelConfig,
   return tokens[:, :width], mask[:, :width], action[:, :width]
 
 
-def rl_prompts(task: Task, config, step: int) -> tuple[list[dict], np.ndarray]:
+def rl_prompts(task: Task, spec: RunSpec, step: int) -> tuple[list[dict], np.ndarray]:
   """The records of RL step `step`: a seeded pass over `rl_train`, each repeated G times."""
   records = task.splits["rl_train"]
-  n, group = config.rollout.prompts_per_step, config.grpo.group_size
+  n, group, seed = spec.rl.prompts_per_step, spec.rl.group_size, spec.seed
   epoch, offset = divmod(step * n, len(records))
-  order = np.random.default_rng([config.seed, epoch]).permutation(len(records))
-  order = np.concatenate([order, np.random.default_rng([config.seed, epoch + 1]).permutation(
+  order = np.random.default_rng([seed, epoch]).permutation(len(records))
+  order = np.concatenate([order, np.random.default_rng([seed, epoch + 1]).permutation(
       len(records))])
   chosen = [records[i] for i in order[offset:offset + n]]
   return [r for r in chosen for _ in range(group)], np.repeat(np.arange(n), group)
 
 
-def rl_batch(task: Task, config, records: list[dict]) -> dict[str, np.ndarray]:
+def rl_batch(task: Task, data: DataSpec, records: list[dict]) -> dict[str, np.ndarray]:
   """Student and teacher prompt regions (`prompt_region`) and gold answer tokens for
   `records`; the teacher is told each record's first gold answer. Records with a gold chain
   (the embedded task) add its documents, `gold_docs` (`gold_chain.gold_doc_batch`), from
   which the rollout labels its turns."""
   region = prompt_region([r["question"] for r in records], task.tokenizer.encode,
-                         config.data.prompt_width,
-                         protocol.PROMPT_TEMPLATES[config.data.prompt_template],
+                         data.prompt_width, data.template,
                          answers=[r["golden_answers"][0] for r in records],
                          chat=task.tokenizer.chat)
   slots, hops = task.rl_widths  # every step's batch has one shape
   batch = dict(**region, gold=task.gold([r["golden_answers"] for r in records],
-                                        config.data.gold_width, slots))
+                                        data.gold_width, slots))
   if hops is not None:
     batch["gold_docs"] = gold_doc_batch(records, hops)
   return batch

@@ -30,7 +30,6 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from pbsd_jax import protocol
 from pbsd_jax.agent import privileged
 from pbsd_jax.agent.rollout import Agent, Rollout
 from pbsd_jax.eval.metric_log import MetricLog
@@ -39,14 +38,15 @@ from pbsd_jax.models import ModelConfig, init_params, param_shardings
 from pbsd_jax.parallel import sharding
 from pbsd_jax.rl import learner, train_state
 from pbsd_jax.run import checkpoint, run_config, workdir as workdir_lib
+from pbsd_jax.run.run_config import RunSpec
 from pbsd_jax.run.task import Task, rl_batch, rl_prompts, sft_sequences
 
-def _checkpointer(config, workdir: str, name: str) -> checkpoint.Checkpointer:
-  c = config.checkpoint
+def _checkpointer(spec: RunSpec, workdir: str, name: str) -> checkpoint.Checkpointer:
+  c = spec.checkpoint
   return checkpoint.Checkpointer(os.path.join(workdir, name),
                                  save_interval_steps=c.save_interval_steps,
                                  max_to_keep=c.max_to_keep, async_save=c.async_save,
-                                 fingerprint=workdir_lib.fingerprint(config))
+                                 fingerprint=workdir_lib.fingerprint(spec.settings))
 
 
 def _resume(ckpt: checkpoint.Checkpointer, state: train_state.TrainState, log: MetricLog,
@@ -62,17 +62,18 @@ def _resume(ckpt: checkpoint.Checkpointer, state: train_state.TrainState, log: M
   return state
 
 
-def initial_params(config, model: ModelConfig, mesh: Mesh) -> Any:
+def initial_params(spec: RunSpec, mesh: Mesh) -> Any:
   """The run's starting parameters, created in their shardings on `mesh` (never whole on one
-  device): `config.model.init_dir`'s, read in the run's `param_dtype`, or a seeded random
+  device): the `init_dir` model's, read in the run's `param_dtype`, or a seeded random
   init."""
+  model = spec.model
   shardings = param_shardings(model, mesh)
-  if config.model.init_dir:
+  if spec.model_source.init_dir:
     from pbsd_jax.run import policy_checkpoint
-    params, _ = policy_checkpoint.restore_params(config.model.init_dir, sharding=shardings,
+    params, _ = policy_checkpoint.restore_params(spec.model_source.init_dir, sharding=shardings,
                                                  dtype=model.jnp_param_dtype)
     return params
-  return init_params(model, jax.random.key(config.seed), shardings)
+  return init_params(model, jax.random.key(spec.seed), shardings)
 
 
 def fresh_state(params: Any, tx: optax.GradientTransformation, model: ModelConfig,
@@ -83,52 +84,51 @@ def fresh_state(params: Any, tx: optax.GradientTransformation, model: ModelConfi
       shardings=train_state.train_state_shardings(model, tx, mesh))
 
 
-def sft_stage(config, task: Task, model: ModelConfig, workdir: str, log: MetricLog,
-              mesh: Mesh, progress: Callable = lambda it, **kw: it,
+def sft_stage(spec: RunSpec, task: Task, workdir: str, log: MetricLog, mesh: Mesh, *,
+              progress: Callable = lambda it, **kw: it,
               force_resume: bool = False) -> train_state.TrainState:
-  """`config.sft.steps` updates of masked NLL on oracle trajectories, under `mesh`
+  """`spec.sft.steps` updates of masked NLL on oracle trajectories, under `mesh`
   (resumable; with `force_resume`, also from checkpoints of another configuration). With
-  `config.eval.sft_every`, greedy validation accuracy is logged (stage `eval_sft`) every that
+  `spec.eval.sft_every`, greedy validation accuracy is logged (stage `eval_sft`) every that
   many steps and at the end."""
-  steps = config.sft.steps
-  tx = run_config.build_optimizer(config, "sft")
-  state = fresh_state(initial_params(config, model, mesh), tx, model, mesh, config.seed)
-  with _checkpointer(config, workdir, "ckpt_sft") as ckpt:
+  sft, model = spec.sft, spec.model
+  steps, tx = sft.steps, sft.optimizer
+  state = fresh_state(initial_params(spec, mesh), tx, model, mesh, spec.seed)
+  with _checkpointer(spec, workdir, "ckpt_sft") as ckpt:
     state = _resume(ckpt, state, log, "sft", force_resume)
     log.drop_after("eval_sft", int(state.step))
     if int(state.step) >= steps:
       return state
-    records = task.splits["sft"][:config.sft.max_examples or None]
-    if len(records) < config.sft.batch_size:
+    records = task.splits["sft"][:sft.max_examples or None]
+    if len(records) < sft.batch_size:
       raise run_config.ConfigError(
           f"config.sft.steps={steps}: the SFT split has {len(records)} records, fewer than "
-          f"sft.batch_size={config.sft.batch_size} (user trajectories: data.sft_files)")
-    if config.sft.teacher_fraction and not all("golden_answers" in r for r in records):
+          f"sft.batch_size={sft.batch_size} (user trajectories: data.sft_files)")
+    if sft.teacher_fraction and not all("golden_answers" in r for r in records):
       raise run_config.ConfigError(
-          f"config.sft.teacher_fraction={config.sft.teacher_fraction}: the teacher prompt "
+          f"config.sft.teacher_fraction={sft.teacher_fraction}: the teacher prompt "
           "needs each SFT record's golden_answers")
-    rows, teacher_rows, sequences = _local_sft_sequences(config, task, model, records, mesh)
-    step_fn = learner.make_sft_step(model, tx, learner.UpdatePlan(
-        chunk_size=config.rl.chunk_size or None), mesh=mesh)
+    rows, teacher_rows, sequences = _local_sft_sequences(spec, task, records, mesh)
+    step_fn = learner.make_sft_step(model, tx, sft.plan, mesh=mesh)
     with checkpoint.PreemptionGuard() as guard:
       for step in progress(range(int(state.step), steps), desc="sft", initial=int(state.step),
                            total=steps):
         batch = sharding.shard_process_local_batch(
-            _sft_rows(sequences, rows[step], teacher_rows[step]), mesh, config.sft.batch_size)
+            _sft_rows(sequences, rows[step], teacher_rows[step]), mesh, sft.batch_size)
         state, metrics = step_fn(state, *batch)
         log.write("sft", step + 1, metrics)
         ckpt.save(state, {"stage": "sft", "step": step + 1}, force=step + 1 == steps)
-        _log_validation(config, task, model, state.params, log, step + 1, "sft")
+        _log_validation(spec, task, state.params, log, step + 1, "sft")
         if guard.save_if_requested(ckpt, state, {"stage": "sft", "step": step + 1}):
           raise SystemExit("preempted: saved the SFT state")
   return state
 
 
-def _local_sft_sequences(config, task: Task, model: ModelConfig, records: list[dict],
-                         mesh: Mesh) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, ...]]:
+def _local_sft_sequences(spec: RunSpec, task: Task, records: list[dict], mesh: Mesh
+                         ) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, ...]]:
   """This process's rows of every SFT step and their oracle sequences, replayed once.
 
-  Step s draws `config.sft.batch_size` records seeded by `(seed, s)`, then (with
+  Step s draws `sft.batch_size` records seeded by `(seed, s)`, then (with
   `sft.teacher_fraction` > 0, from the same generator) which of its rows are trained on the
   teacher's privileged prompt; the process feeds its block of them (`process_batch_rows`).
   Only the records some step of this process feeds are replayed, and the sequences are padded
@@ -140,18 +140,18 @@ def _local_sft_sequences(config, task: Task, model: ModelConfig, records: list[d
     their teacher view `(tokens, mask)` (`privileged.teacher_sequence` of `rl_batch`'s
     privileged prompts) when some row needs it.
   """
-  size, fraction = config.sft.batch_size, config.sft.teacher_fraction
+  size, fraction = spec.sft.batch_size, spec.sft.teacher_fraction
   local = sharding.process_batch_rows(size, mesh)
   drawn, on_teacher = [], []
-  for step in range(config.sft.steps):
-    rng = np.random.default_rng([config.seed, step])
+  for step in range(spec.sft.steps):
+    rng = np.random.default_rng([spec.seed, step])
     drawn.append(rng.choice(len(records), size, replace=False)[local])
     on_teacher.append((rng.random(size) < fraction)[local] if fraction
                       else np.zeros(len(drawn[-1]), bool))
   drawn = np.stack(drawn)
   needed, rows = np.unique(drawn, return_inverse=True)
   needed_records = [records[i] for i in needed]
-  sequences = sft_sequences(task, needed_records, config, model)
+  sequences = sft_sequences(task, needed_records, spec.data, spec.model)
   width = sequences[0].shape[1]
   if jax.process_count() > 1:
     from jax.experimental import multihost_utils
@@ -159,7 +159,7 @@ def _local_sft_sequences(config, task: Task, model: ModelConfig, records: list[d
   pad = ((0, 0), (0, width - sequences[0].shape[1]))
   sequences = tuple(np.pad(x, pad) for x in sequences)
   if fraction:
-    region = rl_batch(task, config, needed_records)
+    region = rl_batch(task, spec.data, needed_records)
     sequences += tuple(np.asarray(x) for x in privileged.teacher_sequence(
         sequences[0], sequences[1], region["teacher_prompt"], region["teacher_prompt_mask"]))
   return rows.reshape(drawn.shape), np.stack(on_teacher), sequences
@@ -299,83 +299,81 @@ def _none_applied(metrics: dict, plan: learner.UpdatePlan) -> bool:
   return skipped > 0 and skipped + empty >= plan.epochs * plan.minibatches
 
 
-def rl_inputs(task: Task, config, step: int, mesh: Mesh) -> tuple[list[dict], dict, jax.Array]:
+def rl_inputs(task: Task, spec: RunSpec, step: int, mesh: Mesh
+              ) -> tuple[list[dict], dict, jax.Array]:
   """RL step `step`'s records (all rows), and its batch and group ids as global arrays whose
   rows are sharded over the data axes of `mesh`; this process builds only its own rows."""
-  records, group_ids = rl_prompts(task, config, step)
+  records, group_ids = rl_prompts(task, spec, step)
   rows = sharding.process_batch_rows(len(records), mesh)
   batch, group_ids = sharding.shard_process_local_batch(
-      (rl_batch(task, config, records[rows]), group_ids[rows].astype(np.int32)), mesh,
+      (rl_batch(task, spec.data, records[rows]), group_ids[rows].astype(np.int32)), mesh,
       len(records))
   return records, batch, group_ids
 
 
-def validation_accuracy(config, task: Task, model: ModelConfig, params: Any,
+def validation_accuracy(spec: RunSpec, task: Task, params: Any,
                         progress: Callable = lambda it, **kw: it, credit: bool = False) -> dict:
-  """Greedy decoding on the first `config.eval.num_examples` `rl_validation` questions:
+  """Greedy decoding on the first `spec.eval.num_examples` `rl_validation` questions:
   `evaluate.evaluate`'s statistics (the task's retrieval, the seed's key); with `credit` and
   an algorithm that computes turn evidence, its `credit` statistics too."""
   from pbsd_jax.eval import evaluate
-  records = task.splits["rl_validation"][:config.eval.num_examples]
+  records = task.splits["rl_validation"][:spec.eval.num_examples]
   return evaluate.evaluate(
-      task.agent(Sampler(model, temperature=0.0)), params, records,
-      batch_size=min(50, len(records)), rng=jax.random.key(config.seed),
-      prompt_width=config.data.prompt_width,
-      gold_width=config.data.gold_width, progress=progress,
-      template=protocol.PROMPT_TEMPLATES[config.data.prompt_template],
-      credit_algo=run_config.build_algorithm(config) if credit else None)
+      task.agent(Sampler(spec.model, temperature=0.0)), params, records,
+      batch_size=min(50, len(records)), rng=jax.random.key(spec.seed),
+      prompt_width=spec.data.prompt_width, gold_width=spec.data.gold_width,
+      template=spec.data.template, progress=progress,
+      credit_algo=spec.algorithm if credit else None)
 
 
-def _log_validation(config, task: Task, model: ModelConfig, params: Any, log: MetricLog,
-                    step: int, stage: str = "rl") -> None:
-  """With `config.eval.every` (RL) or `config.eval.sft_every` (SFT), the validation row of
+def _log_validation(spec: RunSpec, task: Task, params: Any, log: MetricLog, step: int,
+                    stage: str = "rl") -> None:
+  """With `spec.eval.every` (RL) or `spec.eval.sft_every` (SFT), the validation row of
   `stage`'s step `step` (0: the start), logged as stage `eval` (RL) or `eval_sft`."""
-  every = config.eval.every if stage == "rl" else config.eval.sft_every
-  if every and (step % every == 0 or step == config[stage].steps):
-    result = validation_accuracy(config, task, model, params)
+  every, steps = ((spec.eval.every, spec.rl.steps) if stage == "rl"
+                  else (spec.eval.sft_every, spec.sft.steps))
+  if every and (step % every == 0 or step == steps):
+    result = validation_accuracy(spec, task, params)
     log.write("eval" if stage == "rl" else "eval_sft", step,
               {k: result[k] for k in ("accuracy", "mean_turns", "mean_action_tokens")})
 
 
-def rl_stage(config, task: Task, model: ModelConfig, params: Any, workdir: str,
-             log: MetricLog, mesh: Mesh, progress: Callable = lambda it, **kw: it,
-             on_step: Callable | None = None, force_resume: bool = False
-             ) -> train_state.TrainState:
-  """`config.rl.steps` RL steps of `config.algorithm` starting from `params` (sharded on
+def rl_stage(spec: RunSpec, task: Task, params: Any, workdir: str, log: MetricLog, mesh: Mesh,
+             *, progress: Callable = lambda it, **kw: it, on_step: Callable | None = None,
+             force_resume: bool = False) -> train_state.TrainState:
+  """`spec.rl.steps` RL steps of `spec.algorithm` starting from `params` (sharded on
   `mesh`), under `mesh` (resumable; with `force_resume`, also from checkpoints of another
-  configuration). With `config.eval.every`, greedy validation accuracy is logged (stage
+  configuration). With `spec.eval.every`, greedy validation accuracy is logged (stage
   `eval`) at step 0, every that many steps and at the end."""
-  algo = run_config.build_algorithm(config)
-  steps = config.rl.steps
-  tx = run_config.build_optimizer(config, "rl")
-  plan = run_config.build_plan(config)
-  agent = task.agent(run_config.build_sampler(config, model, "rollout"))
+  algo, model, rl = spec.algorithm, spec.model, spec.rl
+  steps, tx, plan = rl.steps, rl.optimizer, rl.plan
+  agent = task.agent(spec.sampler("rollout"))
   # A host retriever's own counters (`HttpRetriever.metrics`: calls, retries, latency).
   counters = None if agent.in_graph else getattr(agent.search, "metrics", None)
-  state = fresh_state(params, tx, model, mesh, config.seed + 1)
+  state = fresh_state(params, tx, model, mesh, spec.seed + 1)
   teacher_params = jax.tree.map(jnp.copy, params) if algo.distillation_beta is not None else None
   iteration = rl_step_fn(agent, model, tx, algo, plan, mesh, teacher_params)
 
-  with _checkpointer(config, workdir, "ckpt_rl") as ckpt, \
+  with _checkpointer(spec, workdir, "ckpt_rl") as ckpt, \
       checkpoint.PreemptionGuard() as guard:
     state = _resume(ckpt, state, log, "rl", force_resume)
     log.drop_after("eval", int(state.step))
     if int(state.step) == 0:
-      _log_validation(config, task, model, state.params, log, 0)
-    bar = progress(range(int(state.step), steps), desc=config.algorithm,
+      _log_validation(spec, task, state.params, log, 0)
+    bar = progress(range(int(state.step), steps), desc=algo.name,
                    initial=int(state.step), total=steps)
     faults, skipped_in_a_row = {}, 0
     for step in bar:
-      records, batch, group_ids = rl_inputs(task, config, step, mesh)
+      records, batch, group_ids = rl_inputs(task, spec, step, mesh)
       before = counters() if counters else {}
       state, rollout, metrics = iteration(state, batch, group_ids,
                                           [r["golden_answers"] for r in records])
       if counters:
         metrics = {**metrics, **retrieval_metrics(before, counters())}
       log.write("rl", step + 1, metrics)
-      if config.rl.save_rollouts and (step + 1) % config.rl.save_rollouts == 0:
+      if rl.save_rollouts and (step + 1) % rl.save_rollouts == 0:
         save_rollout(os.path.join(workdir, "rollouts", f"rl_{step + 1}.npz"), rollout)
-      _log_validation(config, task, model, state.params, log, step + 1)
+      _log_validation(spec, task, state.params, log, step + 1)
       _show_faults(bar, faults, metrics)
       if on_step is not None:
         on_step(step + 1, state, rollout, batch)
@@ -384,7 +382,7 @@ def rl_stage(config, task: Task, model: ModelConfig, params: Any, workdir: str,
       if guard.save_if_requested(ckpt, state, data_state):
         raise SystemExit("preempted: saved the RL state")
       skipped_in_a_row = skipped_in_a_row + 1 if _none_applied(metrics, plan) else 0
-      if config.rl.max_skipped_steps and skipped_in_a_row >= config.rl.max_skipped_steps:
+      if rl.max_skipped_steps and skipped_in_a_row >= rl.max_skipped_steps:
         # A skipped update leaves the parameters as they were: the checkpoints hold the
         # last parameters a finite update produced.
         raise SystemExit(

@@ -89,7 +89,7 @@ def claim(workdir: str, config, *, force: bool = False, lock: bool = True):
 
   Args:
     workdir: the run's directory (created if missing).
-    config: the run's ConfigDict.
+    config: the run's configuration: `RunSpec.settings` (or its ConfigDict).
     force: resume even when non-resumable fields differ; the new config is then recorded.
     lock: take the lock and record the configuration (in a multi-host run only the first
       process does; the others only check the record).
