@@ -60,15 +60,16 @@ def main(argv):
   workdir = _WORKDIR.value or os.path.dirname(ckpt_dir)
   if _DATA_DIR.value:
     config.data.dir = _DATA_DIR.value
-  spec, task, params, step = start.start_evaluation(config, ckpt_dir, _STEP.value, workdir)
-  samples = _SAMPLES.value or max(spec.eval.pass_k)
-  num_examples = spec.eval.num_examples if _NUM_EXAMPLES.value is None else _NUM_EXAMPLES.value
   try:
+    spec, task, params, step = start.start_evaluation(config, ckpt_dir, _STEP.value, workdir)
+    num_examples = (spec.eval.num_examples if _NUM_EXAMPLES.value is None
+                    else _NUM_EXAMPLES.value)
     splits = {name: evaluate.head_per_tier(task.records(name), num_examples)
               for name in _SPLITS.value}
   except (FileNotFoundError, ValueError) as err:
     raise SystemExit(f"evaluate: {err}") from None
 
+  samples = _SAMPLES.value or max(spec.eval.pass_k)
   sampling = spec.eval_sampling
   results = {"checkpoint": ckpt_dir, "step": step, "samples_per_question": samples,
              "temperature": sampling.temperature, "top_p": sampling.top_p, "splits": {}}

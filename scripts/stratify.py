@@ -59,9 +59,9 @@ def main(argv):
     config.data.dir = _DATA_DIR.value
   if _SAMPLES.value < 1 or _PER_TIER.value < 1:
     raise app.UsageError("--samples and --per_tier must be >= 1")
-  spec, task, params, step = start.start_evaluation(config, ckpt_dir, _STEP.value, workdir,
-                                                    mesh=False)
   try:
+    spec, task, params, step = start.start_evaluation(config, ckpt_dir, _STEP.value, workdir,
+                                                      mesh=False)
     records = task.records(_SPLIT.value)
   except (FileNotFoundError, ValueError) as err:
     raise SystemExit(f"stratify: {err}") from None

@@ -329,7 +329,8 @@ def test_a_bm25s_index_serves_host_rollouts_with_multi_token_tags(world, tmp_pat
 
 
 @pytest.mark.parametrize("change, message", [
-    (lambda w, t: [f"--config.model.init_dir={t}"], "needs a model with its tokenizer"),
+    (lambda w, t: [f"--config.model.init_dir={_without_tokenizer(w, t)}"],
+     "needs a model with its tokenizer"),
     (lambda w, t: ["--config.env.url=http://127.0.0.1:9/retrieve"],
      "the retrieval server does not answer"),
     (lambda w, t: ["--config.data.prompt_width=30"],
@@ -374,6 +375,15 @@ def _bad_parquet(tmp_path):
   path = str(tmp_path / "bad.parquet")
   pq.write_table(pa.table({"question": ["a?", "b?"], "golden_answers": [["x"], []]}), path)
   return path
+
+
+def _without_tokenizer(world, tmp_path):
+  """The model's config alone: a model directory with no tokenizer."""
+  import shutil
+  target = tmp_path / "no_tokenizer"
+  target.mkdir()
+  shutil.copy(os.path.join(world["ckpt"], "model_config.json"), target)
+  return str(target)
 
 
 def _without_template(world, tmp_path):

@@ -41,17 +41,15 @@ def start_run(config, workdir: str, *, force_resume: bool = False) -> Started:
 def start_evaluation(config, ckpt_dir: str, step: int | None, workdir: str, *,
                      mesh: bool = True) -> tuple[run_config.RunSpec, task_lib.Task, Any,
                                                  int | None]:
-  """What the evaluation scripts do first: validate `config`, prepare the task and read the
-  policy of `ckpt_dir` (`task.load_policy`; the latest step unless `step`), onto the run's
-  mesh with `mesh`, else one device. Returns `(spec, task, params, step)`, the spec's model
-  the checkpoint's. A config, checkpoint or data that cannot be used ends the script with one
-  line."""
+  """What the evaluation scripts do first: validate `config` (a bad one ends the script with
+  one line), prepare the task and read the policy of `ckpt_dir` (`task.load_policy`; the
+  latest step unless `step`), onto the run's mesh with `mesh`, else one device. Returns
+  `(spec, task, params, step)`, the spec's model the checkpoint's.
+
+  Raises:
+    FileNotFoundError, ValueError: no such checkpoint, or data that cannot be used.
+  """
   spec = run_config.validate_for_script(config)
-  try:
-    task, model, params, step = task_lib.load_policy(spec, ckpt_dir, step, workdir,
-                                                     spec.build_mesh() if mesh else None)
-  except (FileNotFoundError, ValueError) as err:
-    if isinstance(err, run_config.ConfigError):
-      raise
-    raise SystemExit(f"error: {err}") from None
+  task, model, params, step = task_lib.load_policy(spec, ckpt_dir, step, workdir,
+                                                   spec.build_mesh() if mesh else None)
   return spec.with_model(model), task, params, step
