@@ -164,40 +164,63 @@ def _check_text(env: AgentEnv, text: TokenText | None) -> None:
                      "vocabulary's TokenText (token_text.build) as text=")
 
 
+def _sample_action(sampler: Sampler, env: AgentEnv, params, ep: Episode, rng: Array,
+                   text: TokenText | None) -> tuple[DecodeState, Array]:
+  """Each live row's action, decoded until a closing tag, EOS or the turn's budget:
+  `(decode state, bool[B] the buffer ran out)`."""
+  room = env.buffer_size - ep.decode.cursor
+  budget = jnp.minimum(env.max_action_tokens, room)
+  stops = (None, text.stops) if env.text_tags else (env.stop_sequences, None)
+  state, result = sampler.decode(params, ep.decode, rng, budget, stops[0], ~ep.done, stops[1],
+                                 max_steps=env.max_action_tokens, eos_id=env.eos_id)
+  return state, result.stop_reason == STOP_BUFFER_FULL
+
+
+def _replay_action(sampler: Sampler, env: AgentEnv, params, ep: Episode, forced: Array,
+                   forced_length: Array) -> tuple[DecodeState, Array]:
+  """Each live row's given action (`i32[B, La]` with lengths; an oracle's), written as if
+  sampled: `(decode state, bool[B] it did not fit)`."""
+  room = env.buffer_size - ep.decode.cursor
+  lengths = jnp.where(~ep.done, jnp.minimum(forced_length, room), 0)
+  state = sampler.append(params, ep.decode, forced, lengths, as_actions=True)
+  return state, forced_length > room
+
+
+def _read_turn(env: AgentEnv, tokens: Array, start: Array, end: Array,
+               text: TokenText | None, gold: Array | None
+               ) -> tuple[Array, Array, tuple[Array, Array] | None]:
+  """The action in `tokens[:, start:end]`: its kind, its query tokens and, with text tags and
+  `gold`, whether it holds an answer span and whether that matches (else None). Single-token
+  tags are read on ids (`classify_turn`), multi-token tags on the turn's bytes."""
+  if not env.text_tags:
+    return (*classify_turn(tokens, start, end, env), None)
+  s, n, owner = turn_bytes(tokens, start, end, env.max_action_tokens, text)
+  kind, query = classify_bytes(tokens, start, end, env, s, n, owner)
+  return kind, query, None if gold is None else answer_match(s, n, gold)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _act(sampler: Sampler, env: AgentEnv, params, ep: Episode, rng: Array, turn: Array,
          forced: Array | None = None, forced_length: Array | None = None,
          text: TokenText | None = None, gold: Array | None = None
          ) -> tuple[Episode, Array, Array]:
-  """One action per live row, sampled (or forced: `i32[B, La]` with lengths), classified;
-  with text tags on the turn's text (`text`), and judged against `gold`
-  (`batch.gold_text_batch`) when it is given."""
+  """One turn's action per live row, sampled (`_sample_action`) or replayed
+  (`_replay_action`), then read (`_read_turn`) and recorded; with text tags an answer is
+  judged against `gold` (`batch.gold_text_batch`) when it is given."""
   live = ~ep.done
-  state = ep.decode
-  start = state.cursor
-  room = env.buffer_size - start
+  start = ep.decode.cursor
   if forced is None:
-    budget = jnp.minimum(env.max_action_tokens, room)
-    stops = (None, text.stops) if env.text_tags else (env.stop_sequences, None)
-    state, result = sampler.decode(params, state, rng, budget, stops[0], live, stops[1],
-                                   max_steps=env.max_action_tokens, eos_id=env.eos_id)
-    out_of_room = result.stop_reason == STOP_BUFFER_FULL
+    state, out_of_room = _sample_action(sampler, env, params, ep, rng, text)
   else:
-    lengths = jnp.where(live, jnp.minimum(forced_length, room), 0)
-    state = sampler.append(params, state, forced, lengths, as_actions=True)
-    out_of_room = forced_length > room
+    state, out_of_room = _replay_action(sampler, env, params, ep, forced, forced_length)
   end = state.cursor
+  kind, query, answer = _read_turn(env, state.tokens, start, end, text, gold)
+  reward = ep.reward
+  if answer is not None:
+    has, correct = answer
+    reward = jnp.where(live & has, correct.astype(jnp.float32), reward)
   cols = jnp.arange(env.buffer_size)[None, :]
   this_turn = live[:, None] & (cols >= start[:, None]) & (cols < end[:, None])
-  reward = ep.reward
-  if env.text_tags:
-    s, n, owner = turn_bytes(state.tokens, start, end, env.max_action_tokens, text)
-    kind, query = classify_bytes(state.tokens, start, end, env, s, n, owner)
-    if gold is not None:
-      has, correct = answer_match(s, n, gold)
-      reward = jnp.where(live & has, correct.astype(jnp.float32), reward)
-  else:
-    kind, query = classify_turn(state.tokens, start, end, env)
   ends_episode = live & ((kind == KIND_ANSWER) | (kind == KIND_EOS))
   ep = ep.replace(reward=reward,
       decode=state, turn_ids=jnp.where(this_turn, turn, ep.turn_ids),
