@@ -65,12 +65,12 @@ def load_model(args) -> tuple[ModelConfig, Any]:
                         cache_dtype=args.cache_dtype), params
 
 
-def load_prompts(args, config: ModelConfig, num: int = 8, width: int = 64) -> np.ndarray:
+def load_prompts(args, model: ModelConfig, num: int = 8, width: int = 64) -> np.ndarray:
   """`i32[num, width]` prompts: `DIR/prompts.json`, or seeded random ids without `--model`."""
   if args.model:
     with open(os.path.join(args.model, "prompts.json")) as f:
       return np.asarray(json.load(f)["prompts"], np.int32)
-  return np.random.default_rng(0).integers(10, config.vocab_size, (num, width), dtype=np.int32)
+  return np.random.default_rng(0).integers(10, model.vocab_size, (num, width), dtype=np.int32)
 
 
 def best_of(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
@@ -122,18 +122,18 @@ def read_bandwidth(megabytes: int = 512, repeats: int = 3) -> float:
   return x.nbytes / seconds
 
 
-def matmul_kernels(config: ModelConfig, head: bool = True) -> list[tuple[int, int]]:
+def matmul_kernels(model: ModelConfig, head: bool = True) -> list[tuple[int, int]]:
   """`(in, out)` of every matmul with activations: each layer's q, k, v, o, gate, up and down
   kernels, and (with `head`) the LM head last; not the embedding gather or the norms."""
-  d, hd, f = config.hidden_size, config.resolved_head_dim, config.mlp_dim
-  q, kv = config.num_heads * hd, config.num_kv_heads * hd
+  d, hd, f = model.hidden_size, model.resolved_head_dim, model.mlp_dim
+  q, kv = model.num_heads * hd, model.num_kv_heads * hd
   layer = [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)]
-  return layer * config.num_layers + ([(d, config.vocab_size)] if head else [])
+  return layer * model.num_layers + ([(d, model.vocab_size)] if head else [])
 
 
-def matmul_params(config: ModelConfig, head: bool = True) -> int:
+def matmul_params(model: ModelConfig, head: bool = True) -> int:
   """Parameters of `matmul_kernels`."""
-  return sum(i * o for i, o in matmul_kernels(config, head))
+  return sum(i * o for i, o in matmul_kernels(model, head))
 
 
 def products_seconds(shapes: list[tuple[int, int, int]], repeats: int, steps: int = 1,

@@ -43,7 +43,7 @@ def row(config, seq: int, prompt: int) -> tuple[evidence.PolicyBatch, learner.Ta
 
 
 def loss_and_grad(config, chunk: int):
-  loss = functools.partial(learner.policy_loss, config=config, algo=algorithms.get("grpo"),
+  loss = functools.partial(learner.policy_loss, model=config, algo=algorithms.get("grpo"),
                            chunk_size=chunk)
   return jax.jit(jax.value_and_grad(lambda p, b, t: loss(p, b, t)[0]))
 

@@ -20,14 +20,14 @@ from pbsd_jax.models import ModelConfig, param_shapes
 from pbsd_jax.rl import likelihood
 
 
-def peak_bytes(config: ModelConfig, rows: int, seq: int, chunk_size: int | None) -> dict:
+def peak_bytes(model: ModelConfig, rows: int, seq: int, chunk_size: int | None) -> dict:
   """Compiled memory of `dual_logprobs` on `rows x seq` tokens: argument, output, temp, total."""
   tokens = jax.ShapeDtypeStruct((rows, seq), jnp.int32)
   mask = jax.ShapeDtypeStruct((rows, seq), jnp.bool_)
-  fn = functools.partial(likelihood.dual_logprobs, config=config, chunk_size=chunk_size)
+  fn = functools.partial(likelihood.dual_logprobs, model=model, chunk_size=chunk_size)
   compiled = jax.jit(lambda p, t, m, tt, tm: fn(p, student_tokens=t, student_mask=m,
                                                 teacher_tokens=tt, teacher_mask=tm)
-                     ).lower(param_shapes(config), tokens, mask, tokens, mask).compile()
+                     ).lower(param_shapes(model), tokens, mask, tokens, mask).compile()
   mem = compiled.memory_analysis()
   parts = {"argument": mem.argument_size_in_bytes, "output": mem.output_size_in_bytes,
            "temp": mem.temp_size_in_bytes}

@@ -33,18 +33,18 @@ LARGER = dict(vocab_size=32_768, hidden_size=512, num_layers=8, num_heads=8, num
               head_dim=64, mlp_dim=2048, tie_embeddings=False, rope_theta=1e6)
 
 
-def update_flops(config: ModelConfig, rows: int, seq: int) -> float:
+def update_flops(model: ModelConfig, rows: int, seq: int) -> float:
   """Model FLOPs of one forward + backward over `rows x seq` tokens (module docstring)."""
   tokens = rows * seq
-  attention = 6 * config.num_layers * 2 * config.num_heads * config.resolved_head_dim * seq
-  return float(6 * ours_common.matmul_params(config) * tokens + attention * tokens)
+  attention = 6 * model.num_layers * 2 * model.num_heads * model.resolved_head_dim * seq
+  return float(6 * ours_common.matmul_params(model) * tokens + attention * tokens)
 
 
-def policy_batch(config: ModelConfig, rows: int, seq: int) -> evidence.PolicyBatch:
+def policy_batch(model: ModelConfig, rows: int, seq: int) -> evidence.PolicyBatch:
   """A full batch: every token real, the second half of each row trained on, rewards 0 / 1
   alternating (so every GRPO group of 8 has non-zero advantages)."""
   rng = np.random.default_rng(0)
-  tokens = jnp.asarray(rng.integers(0, config.vocab_size, (rows, seq)), jnp.int32)
+  tokens = jnp.asarray(rng.integers(0, model.vocab_size, (rows, seq)), jnp.int32)
   mask = jnp.ones((rows, seq), bool)
   action = jnp.broadcast_to(jnp.arange(seq) >= seq // 2, (rows, seq))
   inputs = AdvantageInputs(rewards=jnp.arange(rows) % 2, action_mask=action,
@@ -73,7 +73,7 @@ def main():
   tx = train_state.make_optimizer(1e-6)
   plan = learner.UpdatePlan(micro_batch_size=args.micro, chunk_size=args.chunk)
   update = jax.jit(lambda state, batch: learner.ppo_update(
-      state, batch, config=config, tx=tx, algo=algo, plan=plan),
+      state, batch, model=config, tx=tx, algo=algo, plan=plan),
       donate_argnums=0)
   batch = policy_batch(config, args.rows, args.seq)
   holder = {"state": train_state.init_train_state(params, tx, jax.random.key(0))}

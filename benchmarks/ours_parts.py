@@ -76,10 +76,10 @@ def main():
                                       new_tokens=args.new_tokens))(params, prompts, mask,
                                                                    jax.random.key(0))
   batch = jax.jit(functools.partial(
-      evidence.policy_batch, config=config, algo=algo, max_turns=1, chunk_size=plan.chunk_size,
+      evidence.policy_batch, model=config, algo=algo, max_turns=1, chunk_size=plan.chunk_size,
       score_student=False))(params, rollout, prompts, mask, jnp.zeros((), jnp.int32))
   state = train_state.init_train_state(params, tx, jax.random.key(0))
-  update = functools.partial(learner.on_policy_update, config=config, tx=tx, algo=algo,
+  update = functools.partial(learner.on_policy_update, model=config, tx=tx, algo=algo,
                              plan=plan)
   decode_state = sampler.prefill(params, prompts, mask, prompts.shape[1] + args.new_tokens)
   budget = jnp.full((prompts.shape[0],), args.new_tokens, jnp.int32)

@@ -75,15 +75,15 @@ def step_parts(name: str, config, params, prompts, mask, teacher, teacher_mask, 
   # (`UpdatePlan.on_policy`), so GRPO's evidence part is empty and PBSD's is the teacher pass.
   on_policy = plan.on_policy(prompts.shape[0])
   evidence_fn = jax.jit(functools.partial(
-      evidence.policy_batch, config=config, algo=algo, max_turns=1, chunk_size=plan.chunk_size,
+      evidence.policy_batch, model=config, algo=algo, max_turns=1, chunk_size=plan.chunk_size,
       score_student=not on_policy))
   update_fn = jax.jit(functools.partial(
-      learner.on_policy_update if on_policy else learner.ppo_update, config=config, tx=tx,
+      learner.on_policy_update if on_policy else learner.ppo_update, model=config, tx=tx,
       algo=algo, plan=plan))
 
   def iteration(state, rng):
     rollout = rollout_fn(state.params, prompts, mask, rng)
-    return learner.rl_step(state, rollout, teacher, teacher_mask, config=config, tx=tx,
+    return learner.rl_step(state, rollout, teacher, teacher_mask, model=config, tx=tx,
                            algo=algo, max_turns=1, plan=plan)
 
   step_fn = jax.jit(iteration, donate_argnums=0)

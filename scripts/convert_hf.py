@@ -49,7 +49,7 @@ def load_model_config(directory: str) -> ModelConfig:
 
 
 def restore_params_checkpoint(directory: str, shardings: Any = None) -> tuple[ModelConfig, Any]:
-  """Reads what `save_params_checkpoint` wrote: `(config, params)`.
+  """Reads what `save_params_checkpoint` wrote: `(model config, params)`.
 
   Args:
     directory: the checkpoint directory.
@@ -57,8 +57,8 @@ def restore_params_checkpoint(directory: str, shardings: Any = None) -> tuple[Mo
       first local device.
   """
   directory = os.path.abspath(directory)
-  config = load_model_config(directory)
-  shapes = param_shapes(config)
+  model = load_model_config(directory)
+  shapes = param_shapes(model)
   if shardings is None:
     device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
     shardings = jax.tree_util.tree_map(lambda _: device, shapes)
@@ -67,13 +67,13 @@ def restore_params_checkpoint(directory: str, shardings: Any = None) -> tuple[Mo
       shapes, shardings)
   restored = ocp.StandardCheckpointer().restore(os.path.join(directory, PARAMS_DIR),
                                                 {"params": target})
-  return config, restored["params"]
+  return model, restored["params"]
 
 
 def convert_import(hf_dir: str, out: str, param_dtype: str | None = None) -> ModelConfig:
   """HF directory -> orbax checkpoint directory (params, model config, HF assets)."""
-  config, params = hf.load(hf_dir, param_dtype=param_dtype)
-  save_params_checkpoint(out, config, params)
+  model, params = hf.load(hf_dir, param_dtype=param_dtype)
+  save_params_checkpoint(out, model, params)
   assets = os.path.join(out, ASSETS_DIR)
   os.makedirs(assets, exist_ok=True)
   for name in sorted(os.listdir(hf_dir)):
@@ -81,13 +81,13 @@ def convert_import(hf_dir: str, out: str, param_dtype: str | None = None) -> Mod
     if os.path.isfile(source) and name not in _WEIGHT_FILES and not name.endswith(
         ".safetensors"):
       shutil.copy2(source, os.path.join(assets, name))
-  return config
+  return model
 
 
 def convert_export(ckpt_dir: str, out: str, architecture: str | None = None,
                    max_shard_size: str = "5GB") -> ModelConfig:
   """Orbax checkpoint directory -> HF directory (with the assets saved at import, if any)."""
-  config, params = restore_params_checkpoint(ckpt_dir)
+  model, params = restore_params_checkpoint(ckpt_dir)
   assets = os.path.join(ckpt_dir, ASSETS_DIR)
   extra, original_arch = {}, None
   if os.path.exists(os.path.join(assets, hf_config.CONFIG_FILE)):
@@ -97,17 +97,17 @@ def convert_export(ckpt_dir: str, out: str, architecture: str | None = None,
     original_arch = (original.get("architectures") or [None])[0]
   if architecture is None and original_arch in hf_config.SUPPORTED_ARCHITECTURES:
     try:
-      hf_config.config_to_hf(config, original_arch)
+      hf_config.config_to_hf(model, original_arch)
       architecture = original_arch
     except ValueError:
       architecture = None  # the model changed shape since import; use the default class
-  hf.save(config, params, out, architecture=architecture, max_shard_size=max_shard_size,
+  hf.save(model, params, out, architecture=architecture, max_shard_size=max_shard_size,
           extra_config=extra)
   if os.path.isdir(assets):
     for name in sorted(os.listdir(assets)):
       if name != hf_config.CONFIG_FILE:
         shutil.copy2(os.path.join(assets, name), os.path.join(out, name))
-  return config
+  return model
 
 
 _DIRECTION = flags.DEFINE_enum("direction", "import", ["import", "export"],
@@ -128,13 +128,13 @@ def main(argv):
   if _DIRECTION.value == "import":
     if not _HF_DIR.value:
       raise app.UsageError("--direction=import needs --hf_dir")
-    config = convert_import(_HF_DIR.value, _OUT.value, _PARAM_DTYPE.value)
+    model = convert_import(_HF_DIR.value, _OUT.value, _PARAM_DTYPE.value)
   else:
     if not _CKPT_DIR.value:
       raise app.UsageError("--direction=export needs --ckpt_dir")
-    config = convert_export(_CKPT_DIR.value, _OUT.value, _ARCHITECTURE.value,
+    model = convert_export(_CKPT_DIR.value, _OUT.value, _ARCHITECTURE.value,
                             _MAX_SHARD_SIZE.value)
-  print(f"wrote {_OUT.value}: {config}")
+  print(f"wrote {_OUT.value}: {model}")
 
 
 if __name__ == "__main__":

@@ -110,12 +110,12 @@ def torch_logits(model, tokens, mask):
     return model(input_ids=tokens, attention_mask=mask, position_ids=positions).logits.numpy()
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
-def _forward(config: ModelConfig, params: Any, tokens: jax.Array, mask: jax.Array) -> jax.Array:
-  return Transformer(config).apply({"params": params}, tokens, mask).logits
+@functools.partial(jax.jit, static_argnames=("model",))
+def _forward(model: ModelConfig, params: Any, tokens: jax.Array, mask: jax.Array) -> jax.Array:
+  return Transformer(model).apply({"params": params}, tokens, mask).logits
 
 
-def forward_logits(config: ModelConfig, params: Any, tokens: jax.Array,
+def forward_logits(model: ModelConfig, params: Any, tokens: jax.Array,
                    mask: jax.Array | None = None) -> jax.Array:
   """Our full-vocabulary logits `f32[B, T, V]` of `tokens: i32[B, T]` (mask `bool[B, T]`).
 
@@ -124,7 +124,7 @@ def forward_logits(config: ModelConfig, params: Any, tokens: jax.Array,
   """
   tokens = jnp.asarray(tokens, jnp.int32)
   mask = jnp.ones(tokens.shape, bool) if mask is None else jnp.asarray(mask, bool)
-  return _forward(config, params, tokens, mask)
+  return _forward(model, params, tokens, mask)
 
 
 CHATML_TEMPLATE = (

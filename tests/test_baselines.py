@@ -91,7 +91,7 @@ def full_logprobs(params, tokens, mask):
 def test_token_divergence_matches_brute_force_full_vocabulary_kl(beta):
   student, teacher, tokens, s_mask, t_tokens, t_mask = two_models()
   div, entropy, logp = jax.jit(functools.partial(
-      token_divergence, config=TINY, beta=beta, chunk_size=3))(
+      token_divergence, model=TINY, beta=beta, chunk_size=3))(
           student, teacher, student_tokens=tokens, student_mask=s_mask,
           teacher_tokens=t_tokens, teacher_mask=t_mask)
   log_s, log_t = full_logprobs(student, tokens, s_mask), full_logprobs(teacher, t_tokens, t_mask)

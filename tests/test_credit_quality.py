@@ -138,7 +138,7 @@ def test_an_rl_step_reports_the_auc_of_the_evidence_and_of_the_signed_credit(kg,
   tx = train_state.make_optimizer(1e-3)
   state = train_state.init_train_state(params, tx, jax.random.key(1))
   _, metrics = learner.rl_step(state, rollout, jnp.asarray(region["teacher_prompt"]),
-                               jnp.asarray(region["teacher_prompt_mask"]), config=model, tx=tx,
+                               jnp.asarray(region["teacher_prompt_mask"]), model=model, tx=tx,
                                algo=algo, max_turns=MAX_TURNS)
 
   teacher = privileged.teacher_sequence(rollout.tokens, rollout.mask,
@@ -165,7 +165,7 @@ def test_an_rl_step_reports_the_auc_of_the_evidence_and_of_the_signed_credit(kg,
   # The sign of the outcome alone (GRPO's flat credit) separates by outcome, not by turn.
   grpo = algorithms.get("grpo", group_size=2)
   _, grpo_metrics = learner.rl_step(state, rollout, jnp.asarray(region["teacher_prompt"]),
-                                    jnp.asarray(region["teacher_prompt_mask"]), config=model,
+                                    jnp.asarray(region["teacher_prompt_mask"]), model=model,
                                     tx=tx, algo=grpo, max_turns=MAX_TURNS)
   assert "credit/auc_evidence" not in grpo_metrics
   assert float(grpo_metrics["credit/auc_weight_solved"]) == 0.5

@@ -48,7 +48,7 @@ def batch():
 def dual():
   params = init_params(CONFIG, jax.random.key(0))
   tokens, mask, t_tokens, t_mask = batch()
-  out = jax.jit(functools.partial(dual_logprobs, config=CONFIG, chunk_size=7))(
+  out = jax.jit(functools.partial(dual_logprobs, model=CONFIG, chunk_size=7))(
       params, student_tokens=tokens, student_mask=mask, teacher_tokens=t_tokens,
       teacher_mask=t_mask)
   return params, np.asarray(out)
@@ -170,7 +170,7 @@ def test_replayed_routes_per_condition_or_shared_reach_the_model():
   mask = jnp.ones((2, 6), bool)
   route = jax.jit(lambda t: Transformer(moe).apply({"params": params}, t, mask).routes)
   own = jnp.stack([route(tokens), route(teacher)])
-  run = jax.jit(functools.partial(dual_logprobs, config=moe))
+  run = jax.jit(functools.partial(dual_logprobs, model=moe))
   fresh = run(params, student_tokens=tokens, student_mask=mask, teacher_tokens=teacher,
               teacher_mask=mask)
   # Replaying each condition's own routes reproduces fresh routing.

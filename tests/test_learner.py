@@ -139,7 +139,7 @@ def test_gradient_accumulation_equals_the_full_batch_gradient():
   algo = algorithms.get("grpo", group_size=4)
   params = mw.initial_params()
   batch = _policy_batch(3)
-  loss_fn = lambda p, b: learner.policy_loss(p, *b, config=config, algo=algo, chunk_size=8)
+  loss_fn = lambda p, b: learner.policy_loss(p, *b, model=config, algo=algo, chunk_size=8)
 
   @jax.jit
   def both(params, batch):
@@ -248,7 +248,7 @@ def test_policy_batch_recomputes_evidence_with_current_params(name):
   # The sampler's log-probs must never be used: make them garbage.
   rollout = rollout.replace(sample_logp=np.full_like(rollout.sample_logp, 123.0))
   batch = jax.jit(functools.partial(
-      evidence.policy_batch, config=config, algo=algo, max_turns=mw.MAX_TURNS))(
+      evidence.policy_batch, model=config, algo=algo, max_turns=mw.MAX_TURNS))(
           params, rollout, teacher, teacher_mask, jnp.int32(0))
   targets, _ = learner.policy_targets(algo, batch.inputs, batch.inputs.logp_student)
   metrics = evidence.rollout_metrics(rollout)
@@ -299,13 +299,13 @@ def test_on_policy_step_equals_the_separate_old_logprob_pass(name):
 
   @jax.jit
   def both(state, rollout, teacher, teacher_mask):
-    fused, fused_metrics = learner.rl_step(state, rollout, teacher, teacher_mask, config=config,
+    fused, fused_metrics = learner.rl_step(state, rollout, teacher, teacher_mask, model=config,
                                            tx=tx, algo=algo, max_turns=mw.MAX_TURNS, plan=plan)
     batch = evidence.policy_batch(state.params, rollout, teacher, teacher_mask, state.step,
-                                  config=config, algo=algo, max_turns=mw.MAX_TURNS,
+                                  model=config, algo=algo, max_turns=mw.MAX_TURNS,
                                   chunk_size=8)
     assert batch.inputs.logp_student is not None
-    separate, metrics = learner.ppo_update(state, batch, config=config, tx=tx, algo=algo,
+    separate, metrics = learner.ppo_update(state, batch, model=config, tx=tx, algo=algo,
                                            plan=plan)
     return fused, fused_metrics, separate, {**evidence.rollout_metrics(rollout), **metrics}
 
@@ -332,15 +332,15 @@ def test_an_update_without_the_student_pass_needs_an_on_policy_plan():
   algo = algorithms.get("grpo", group_size=4)
   rollout, teacher, teacher_mask = mw.make_rollout(12)
   batch = evidence.policy_batch(mw.initial_params(), rollout, teacher, teacher_mask,
-                                jnp.int32(0), config=config, algo=algo,
+                                jnp.int32(0), model=config, algo=algo,
                                 max_turns=mw.MAX_TURNS, score_student=False)
   assert batch.inputs.logp_student is None
   tx = mw.make_tx()
   with pytest.raises(ValueError, match="on_policy"):
-    learner.ppo_update(mw.initial_state(tx), batch, config=config, tx=tx, algo=algo,
+    learner.ppo_update(mw.initial_state(tx), batch, model=config, tx=tx, algo=algo,
                        plan=learner.UpdatePlan(minibatches=2))
   with pytest.raises(ValueError, match="UpdatePlan.on_policy"):
-    learner.on_policy_update(mw.initial_state(tx), batch, config=config, tx=tx, algo=algo,
+    learner.on_policy_update(mw.initial_state(tx), batch, model=config, tx=tx, algo=algo,
                              plan=learner.UpdatePlan(minibatches=2))
 
 
@@ -350,7 +350,7 @@ def test_opsd_loss_vanishes_when_the_teacher_is_the_student():
   params = mw.initial_params()
   batch, targets = _policy_batch(5)
   batch = batch.replace(teacher_tokens=batch.tokens, teacher_mask=batch.mask)
-  loss, (_, metrics) = jax.jit(functools.partial(learner.policy_loss, config=config,
+  loss, (_, metrics) = jax.jit(functools.partial(learner.policy_loss, model=config,
                                                  algo=algo))(params, batch, targets,
                                                              teacher_params=params)
   np.testing.assert_allclose(float(metrics["opsd/distill_loss"]), 0.0, atol=1e-6)
@@ -376,5 +376,5 @@ def test_opsd_steps_pull_the_student_towards_the_frozen_teacher():
 def test_distillation_without_teacher_params_is_an_error():
   tx = mw.make_tx()
   with pytest.raises(ValueError, match="teacher_params"):
-    learner.ppo_update(mw.initial_state(tx), _policy_batch(5)[0], config=mw.make_config(),
+    learner.ppo_update(mw.initial_state(tx), _policy_batch(5)[0], model=mw.make_config(),
                        tx=tx, algo=algorithms.get("opsd", group_size=4))

@@ -370,7 +370,7 @@ def test_moe_rollouts_record_the_routes_that_replayed_evidence_reads(kg, setup):
   # privileged prompt is routed afresh; fresh evidence routes the teacher on its own.
   teacher, tmask = jnp.asarray(region["teacher_prompt"]), jnp.asarray(region["teacher_prompt_mask"])
   batch = lambda **kw: evidence.policy_batch(
-      params, graph, teacher, tmask, jnp.int32(0), config=config, max_turns=MAX_TURNS,
+      params, graph, teacher, tmask, jnp.int32(0), model=config, max_turns=MAX_TURNS,
       algo=algorithms.get("pbsd", group_size=4, **kw)).inputs
   replayed, fresh = batch(replay_routing=True), batch()
   t_tokens, t_mask = privileged.teacher_sequence(graph.tokens, graph.mask, teacher, tmask)

@@ -242,7 +242,7 @@ def _turn_evidence(algo: Any, model: ModelConfig, max_turns: int, params: Any, r
   """`f32[B, K]` the algorithm's turn evidence `s` of a rollout: the training step's evidence
   pass (`evidence.policy_batch`), then `algo.turn_credit`."""
   inputs = policy_batch(params, rollout, teacher_prompt, teacher_prompt_mask, jnp.int32(0),
-                        config=model, algo=algo, max_turns=max_turns).inputs
+                        model=model, algo=algo, max_turns=max_turns).inputs
   return algo.turn_credit(jnp.zeros_like(rollout.reward), inputs).evidence
 
 

@@ -60,14 +60,14 @@ class KVCache:
   mask: Array
 
   @classmethod
-  def init(cls, config: ModelConfig, batch: int, size: int) -> "KVCache":
-    """An empty cache of `size` slots per row, in `config.cache_dtype`."""
-    v = jnp.zeros((batch, config.num_kv_heads, size, config.resolved_head_dim),
-                  config.jnp_cache_dtype)
+  def init(cls, model: ModelConfig, batch: int, size: int) -> "KVCache":
+    """An empty cache of `size` slots per row, in `model.cache_dtype`."""
+    v = jnp.zeros((batch, model.num_kv_heads, size, model.resolved_head_dim),
+                  model.jnp_cache_dtype)
     k, mask = jnp.swapaxes(v, 2, 3), jnp.zeros((batch, size), bool)
-    if config.scan_unroll >= config.num_layers:
-      return cls(k=(k,) * config.num_layers, v=(v,) * config.num_layers, mask=mask)
-    stack = lambda x: jnp.broadcast_to(x, (config.num_layers, *x.shape))
+    if model.scan_unroll >= model.num_layers:
+      return cls(k=(k,) * model.num_layers, v=(v,) * model.num_layers, mask=mask)
+    stack = lambda x: jnp.broadcast_to(x, (model.num_layers, *x.shape))
     return cls(k=stack(k), v=stack(v), mask=mask)
 
   @property
@@ -215,12 +215,12 @@ _matmul.defvjp(_matmul_fwd, _matmul_bwd)
 def _param(module: nn.Module, name: str, shape, axes, init=_INIT):
   """A parameter in `param_dtype` with logical axis names."""
   return module.param(name, nn.with_logical_partitioning(init, axes), shape,
-                      module.config.jnp_param_dtype)
+                      module.model.jnp_param_dtype)
 
 
 class RMSNorm(nn.Module):
   """x * rsqrt(mean(x^2) + eps) * scale, computed in float32."""
-  config: ModelConfig
+  model: ModelConfig
   axis_name: str = "embed"
 
   @nn.compact
@@ -228,13 +228,13 @@ class RMSNorm(nn.Module):
     scale = _param(self, "scale", (x.shape[-1],), (self.axis_name,), nn.initializers.ones)
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True)
-                                 + self.config.rms_norm_eps)
+                                 + self.model.rms_norm_eps)
     return (normed * scale.astype(jnp.float32)).astype(x.dtype)
 
 
 class Attention(nn.Module):
   """Grouped-query attention with RoPE, optional QKV bias (Qwen2) and q/k norm (Qwen3)."""
-  config: ModelConfig
+  model: ModelConfig
 
   @nn.compact
   def __call__(self, x, positions, query_slots, key_mask, cache):
@@ -248,7 +248,7 @@ class Attention(nn.Module):
     it out and stacking it back (a copy of the whole cache per step); `models.attention`
     chooses the kernels by the platform the program is compiled for.
     """
-    c = self.config
+    c = self.model
     dt, hd, h, kvh = c.jnp_dtype, c.resolved_head_dim, c.num_heads, c.num_kv_heads
 
     def project(name, heads):
@@ -303,11 +303,11 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
   """SwiGLU: down(silu(gate(x)) * up(x))."""
-  config: ModelConfig
+  model: ModelConfig
 
   @nn.compact
   def __call__(self, x):
-    c, dt = self.config, self.config.jnp_dtype
+    c, dt = self.model, self.model.jnp_dtype
     gate = _param(self, "gate_kernel", (c.hidden_size, c.mlp_dim), ("embed", "mlp"))
     up = _param(self, "up_kernel", (c.hidden_size, c.mlp_dim), ("embed", "mlp"))
     down = _param(self, "down_kernel", (c.mlp_dim, c.hidden_size), ("mlp", "embed"))
@@ -325,11 +325,11 @@ class MoE(nn.Module):
   densely and combined with a sparse weight matrix, which is exact and simple; a dispatching
   kernel is a drop-in replacement for large expert counts.
   """
-  config: ModelConfig
+  model: ModelConfig
 
   @nn.compact
   def __call__(self, x, routes=None):
-    c, dt = self.config, self.config.jnp_dtype
+    c, dt = self.model, self.model.jnp_dtype
     e, m = c.num_experts, c.resolved_expert_mlp_dim
     router = _param(self, "router_kernel", (c.hidden_size, e), ("embed", "expert"))
     probs = jax.nn.softmax((x @ router.astype(dt)).astype(jnp.float32), axis=-1)  # [B,T,E]
@@ -355,12 +355,12 @@ class Block(nn.Module):
   The scan carries `(x, cache)`, the cache being None or `(k, v, layer)` over all layers
   (see `Attention`); this layer's expert `routes` come in per layer and go out per layer.
   """
-  config: ModelConfig
+  model: ModelConfig
 
   @nn.compact
   def __call__(self, carry, positions, query_slots, key_mask, routes):
     x, cache = carry
-    c = self.config
+    c = self.model
     attn_out, cache = Attention(c, name="attn")(
         RMSNorm(c, name="attn_norm")(x), positions, query_slots, key_mask, cache)
     x = x + attn_out
@@ -376,10 +376,10 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
   """The language model. See the module docstring for the padding and slot conventions."""
-  config: ModelConfig
+  model: ModelConfig
 
   def setup(self):
-    c = self.config
+    c = self.model
     self.embedding = _param(self, "embedding", (c.vocab_size, c.hidden_size), ("vocab", "embed"))
     if not c.tie_embeddings:
       self.lm_head = _param(self, "lm_head", (c.hidden_size, c.vocab_size), ("embed", "vocab"))
@@ -416,7 +416,7 @@ class Transformer(nn.Module):
     Returns:
       A `ModelOutput`.
     """
-    c = self.config
+    c = self.model
     b, t = tokens.shape
     mask = jnp.ones((b, t), bool) if mask is None else mask.astype(bool)
     if routes is not None and not c.is_moe:
@@ -456,7 +456,7 @@ class Transformer(nn.Module):
     its slice of the scanned parameters, and its own cache arrays as they are, rank 4 (a
     leading layer axis of 1 would be a reshape around the in-place write of
     `cpu_kernels.write_cache`, and XLA copies the whole array on either side of one)."""
-    c = self.config
+    c = self.model
     stacked = self.variables["params"]["layers"]
     keys, values, layer_routes = [], [], []
     for i in range(c.num_layers):
@@ -473,20 +473,20 @@ class Transformer(nn.Module):
 
   def unembed(self, hidden: Array) -> Array:
     """`f32[..., V]` logits of final hidden states `[..., hidden_size]`."""
-    dt = self.config.jnp_dtype
-    if self.config.tie_embeddings:
+    dt = self.model.jnp_dtype
+    if self.model.tie_embeddings:
       logits = dense(hidden.astype(dt), self.embedding.astype(dt).T)
     else:
       logits = dense(hidden.astype(dt), self.lm_head.astype(dt))
     return logits.astype(jnp.float32)
 
 
-def _init_boxed(config: ModelConfig, rng: Array):
-  return Transformer(config).init(rng, jnp.zeros((1, 1), jnp.int32))["params"]
+def _init_boxed(model: ModelConfig, rng: Array):
+  return Transformer(model).init(rng, jnp.zeros((1, 1), jnp.int32))["params"]
 
 
-def init_params(config: ModelConfig, rng: Array, shardings: Any = None) -> Any:
-  """Random parameters for `config`: a plain pytree of arrays (`param_dtype`).
+def init_params(model: ModelConfig, rng: Array, shardings: Any = None) -> Any:
+  """Random parameters for `model`: a plain pytree of arrays (`param_dtype`).
 
   The same distributions as `Transformer.init` (norm scales 1, biases 0, other weights
   N(0, 0.02^2)) drawn on the host with numpy from a seed derived from `rng`: XLA compiles the
@@ -495,7 +495,7 @@ def init_params(config: ModelConfig, rng: Array, shardings: Any = None) -> Any:
   its shard of each array (`jax.make_array_from_callback`; every process draws the same
   values), so no device holds a whole parameter it should not.
   """
-  shapes = param_shapes(config)
+  shapes = param_shapes(model)
   seed = np.asarray(jax.random.key_data(rng) if jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
                     else rng).ravel().tolist()
   gen = np.random.default_rng(seed)
@@ -517,21 +517,21 @@ def init_params(config: ModelConfig, rng: Array, shardings: Any = None) -> Any:
                       values, shardings)
 
 
-def param_shapes(config: ModelConfig) -> Any:
-  """`jax.ShapeDtypeStruct` of every parameter of `config` (nothing allocated or compiled).
+def param_shapes(model: ModelConfig) -> Any:
+  """`jax.ShapeDtypeStruct` of every parameter of `model` (nothing allocated or compiled).
 
   Use this, not `jax.eval_shape(init_params)`: `init_params` draws on the host and cannot be
   traced.
   """
-  return nn.meta.unbox(jax.eval_shape(lambda r: _init_boxed(config, r), jax.random.key(0)))
+  return nn.meta.unbox(jax.eval_shape(lambda r: _init_boxed(model, r), jax.random.key(0)))
 
 
-def param_axes(config: ModelConfig) -> Any:
+def param_axes(model: ModelConfig) -> Any:
   """The logical axis names of every parameter, as a pytree of `PartitionSpec`s."""
-  boxed = jax.eval_shape(lambda rng: _init_boxed(config, rng), jax.random.key(0))
+  boxed = jax.eval_shape(lambda rng: _init_boxed(model, rng), jax.random.key(0))
   return nn.get_partition_spec(boxed)
 
 
-def param_shardings(config: ModelConfig, mesh: jax.sharding.Mesh, rules=sharding.RULES) -> Any:
-  """`NamedSharding` of every parameter of `config`, from `param_axes` and the rules."""
-  return sharding.logical_to_sharding(param_axes(config), mesh, rules, param_shapes(config))
+def param_shardings(model: ModelConfig, mesh: jax.sharding.Mesh, rules=sharding.RULES) -> Any:
+  """`NamedSharding` of every parameter of `model`, from `param_axes` and the rules."""
+  return sharding.logical_to_sharding(param_axes(model), mesh, rules, param_shapes(model))

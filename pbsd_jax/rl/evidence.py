@@ -67,7 +67,7 @@ class PolicyBatch:
 
 
 def policy_batch(params: Any, rollout: Any, teacher_prompt: Array, teacher_prompt_mask: Array,
-                 step: Array, *, config: ModelConfig, algo: Any, max_turns: int,
+                 step: Array, *, model: ModelConfig, algo: Any, max_turns: int,
                  chunk_size: int | None = None, score_student: bool = True) -> PolicyBatch:
   """The evidence pass of a rollout (module docstring): its `PolicyBatch`.
 
@@ -77,7 +77,7 @@ def policy_batch(params: Any, rollout: Any, teacher_prompt: Array, teacher_promp
     teacher_prompt: `i32[B, P]` left-padded privileged prompts (`privileged.dual_prompts`).
     teacher_prompt_mask: `bool[B, P]`.
     step: `i32[]` the train step (the algorithm's schedules).
-    config: the model config.
+    model: the model config.
     algo: a `pbsd_jax.rl.algorithms` algorithm (its `needs`).
     max_turns: K, the rollout's static number of turn slots.
     chunk_size: LM-head chunk over the sequence.
@@ -92,21 +92,21 @@ def policy_batch(params: Any, rollout: Any, teacher_prompt: Array, teacher_promp
   if "logp_teacher" in algo.needs:
     if score_student:
       logp_student, logp_teacher = likelihood.dual_logprobs(
-          params, config, tokens, mask, teacher_tokens, teacher_mask, chunk_size=chunk_size,
+          params, model, tokens, mask, teacher_tokens, teacher_mask, chunk_size=chunk_size,
           routes=routes, score_from=score_from)
     else:
       logp_teacher = likelihood.token_logprobs(
-          params, config, teacher_tokens, teacher_mask, chunk_size=chunk_size,
+          params, model, teacher_tokens, teacher_mask, chunk_size=chunk_size,
           routes=None if routes is None else routes[1], score_from=score_from)
   if algo.needs & {"divergence", "entropy"}:
-    scores = likelihood.token_divergence(params, params, config, tokens, mask, teacher_tokens,
+    scores = likelihood.token_divergence(params, params, model, tokens, mask, teacher_tokens,
                                          teacher_mask, beta=1.0, chunk_size=chunk_size,
                                          score_from=score_from)
     divergence, entropy = scores.divergence, scores.entropy
     if score_student and logp_student is None:
       logp_student = scores.logp
   if score_student and logp_student is None:
-    logp_student = likelihood.token_logprobs(params, config, tokens, mask,
+    logp_student = likelihood.token_logprobs(params, model, tokens, mask,
                                              chunk_size=chunk_size, score_from=score_from)
   inputs = AdvantageInputs(rewards=rollout.reward, action_mask=rollout.action_mask,
                            turn_ids=rollout.turn_ids, step=step, max_turns=max_turns,

@@ -144,7 +144,7 @@ class Targets:
   loss_mask: Array
 
 
-def sft_loss(params: Any, config: ModelConfig, tokens: Array, mask: Array, loss_mask: Array,
+def sft_loss(params: Any, model: ModelConfig, tokens: Array, mask: Array, loss_mask: Array,
              chunk_size: int | None = None) -> tuple[Array, tuple[Array, dict]]:
   """Masked NLL `-sum(logp * loss_mask) / sum(loss_mask)`, its weight and metrics.
 
@@ -153,12 +153,12 @@ def sft_loss(params: Any, config: ModelConfig, tokens: Array, mask: Array, loss_
 
   Args:
     params: model parameters.
-    config: the model config.
+    model: the model config.
     tokens: `i32[B, T]`; mask: `bool[B, T]` real tokens.
     loss_mask: `bool[B, T]` tokens trained on (SFT: the action tokens only).
     chunk_size: LM-head chunk over the sequence.
   """
-  logp, entropy = likelihood.token_logprobs(params, config, tokens, mask, chunk_size=chunk_size,
+  logp, entropy = likelihood.token_logprobs(params, model, tokens, mask, chunk_size=chunk_size,
                                             with_entropy=True)
   return -masked_mean(logp, loss_mask), (jnp.sum(loss_mask).astype(jnp.float32), {
       "entropy": masked_mean(jax.lax.stop_gradient(entropy), loss_mask)})
@@ -247,7 +247,7 @@ def _shards(micro_sharding: NamedSharding | None) -> int:
 
 
 def sft_step(state: TrainState, tokens: Array, mask: Array, loss_mask: Array, *,
-             config: ModelConfig, tx: optax.GradientTransformation,
+             model: ModelConfig, tx: optax.GradientTransformation,
              plan: UpdatePlan = UpdatePlan(), micro_sharding: NamedSharding | None = None
              ) -> tuple[TrainState, dict]:
   """One SFT update: masked NLL on `loss_mask` (the action tokens), micro-batch accumulated.
@@ -255,7 +255,7 @@ def sft_step(state: TrainState, tokens: Array, mask: Array, loss_mask: Array, *,
   Args:
     state: the train state.
     tokens: `i32[B, T]`; mask: `bool[B, T]` real tokens; loss_mask: `bool[B, T]`.
-    config: the model config.
+    model: the model config.
     tx: the optimiser.
     plan: `micro_batch_size` and `chunk_size` are used (one update per call).
     micro_sharding: optional sharding of a `[n_micro, micro, ...]` block (see `ppo_update`).
@@ -268,7 +268,7 @@ def sft_step(state: TrainState, tokens: Array, mask: Array, loss_mask: Array, *,
   batch = _split_micro((tokens, mask, loss_mask), n_micro, micro)
   if micro_sharding is not None:
     batch = jax.lax.with_sharding_constraint(batch, micro_sharding)
-  loss_fn = lambda p, b: sft_loss(p, config, *b, chunk_size=plan.chunk_size)
+  loss_fn = lambda p, b: sft_loss(p, model, *b, chunk_size=plan.chunk_size)
   loss, grads, metrics, weight = accumulate_gradients(loss_fn, state.params, batch)
   params, opt_state, update = apply_update(state.params, state.opt_state, grads, loss, tx,
                                            weight > 0)
@@ -278,7 +278,7 @@ def sft_step(state: TrainState, tokens: Array, mask: Array, loss_mask: Array, *,
                      "skipped_updates": update["skipped"], "empty_updates": update["empty"]}
 
 
-def policy_outputs(params: Any, batch: PolicyBatch, *, config: ModelConfig, algo: Any,
+def policy_outputs(params: Any, batch: PolicyBatch, *, model: ModelConfig, algo: Any,
                    chunk_size: int | None = None, teacher_params: Any = None) -> PolicyOutputs:
   """The forward of the parameters being trained, on the student sequence of `batch`.
 
@@ -288,7 +288,7 @@ def policy_outputs(params: Any, batch: PolicyBatch, *, config: ModelConfig, algo
   Scores start at `batch.score_from`.
   """
   if algo.distillation_beta is None:
-    logp, entropy = likelihood.token_logprobs(params, config, batch.tokens, batch.mask,
+    logp, entropy = likelihood.token_logprobs(params, model, batch.tokens, batch.mask,
                                               chunk_size=chunk_size, with_entropy=True,
                                               score_from=batch.score_from)
     return PolicyOutputs(logp, entropy, None)
@@ -296,7 +296,7 @@ def policy_outputs(params: Any, batch: PolicyBatch, *, config: ModelConfig, algo
     raise ValueError(f"{algo.name} distils from frozen teacher parameters: pass "
                      "teacher_params (the initial parameters)")
   scores = likelihood.token_divergence(
-      params, teacher_params, config, batch.tokens, batch.mask, batch.teacher_tokens,
+      params, teacher_params, model, batch.tokens, batch.mask, batch.teacher_tokens,
       batch.teacher_mask, beta=algo.distillation_beta, chunk_size=chunk_size,
       score_from=batch.score_from)
   return PolicyOutputs(scores.logp, scores.entropy, scores.divergence)
@@ -336,11 +336,11 @@ def policy_objective(outputs: PolicyOutputs, targets: Targets, action_mask: Arra
   return loss, (weight, {**metrics, "entropy": entropy})
 
 
-def policy_loss(params: Any, batch: PolicyBatch, targets: Targets, *, config: ModelConfig,
+def policy_loss(params: Any, batch: PolicyBatch, targets: Targets, *, model: ModelConfig,
                 algo: Any, chunk_size: int | None = None, teacher_params: Any = None
                 ) -> tuple[Array, tuple[Array, dict]]:
   """`policy_objective` of `policy_outputs`: the loss `ppo_update` differentiates."""
-  outputs = policy_outputs(params, batch, config=config, algo=algo, chunk_size=chunk_size,
+  outputs = policy_outputs(params, batch, model=model, algo=algo, chunk_size=chunk_size,
                            teacher_params=teacher_params)
   return policy_objective(outputs, targets, batch.action_mask, algo)
 
@@ -356,7 +356,7 @@ def _summary(per_update: dict, opt_state: Any) -> dict:
           "empty_updates": jnp.sum(empty), "learning_rate": learning_rate(opt_state)}
 
 
-def ppo_update(state: TrainState, batch: PolicyBatch, *, config: ModelConfig,
+def ppo_update(state: TrainState, batch: PolicyBatch, *, model: ModelConfig,
                tx: optax.GradientTransformation, algo: Any, plan: UpdatePlan = UpdatePlan(),
                teacher_params: Any = None, micro_sharding: NamedSharding | None = None
                ) -> tuple[TrainState, dict]:
@@ -365,7 +365,7 @@ def ppo_update(state: TrainState, batch: PolicyBatch, *, config: ModelConfig,
   Args:
     state: the train state (its `rng` shuffles the rows of each epoch).
     batch: the `PolicyBatch`, B rows, with the evidence pass's `inputs.logp_student`.
-    config: the model config.
+    model: the model config.
     tx: the optimiser.
     algo: a `pbsd_jax.rl.algorithms` algorithm (its `advantages` and `loss`).
     plan: epochs, mini-batches, micro-batch size, LM-head chunk.
@@ -394,7 +394,7 @@ def ppo_update(state: TrainState, batch: PolicyBatch, *, config: ModelConfig,
   order = jnp.stack(orders).reshape(plan.epochs * plan.minibatches, n_micro, micro)
   # Every leaf has the row axis first.
   rows_only = (batch.replace(inputs=None, turn_label=None), targets)
-  loss_fn = lambda params, micro: policy_loss(params, *micro, config=config, algo=algo,
+  loss_fn = lambda params, micro: policy_loss(params, *micro, model=model, algo=algo,
                                               chunk_size=plan.chunk_size,
                                               teacher_params=teacher_params)
 
@@ -413,7 +413,7 @@ def ppo_update(state: TrainState, batch: PolicyBatch, *, config: ModelConfig,
   return new_state, {**adv_metrics, **_summary(per_update, opt_state)}
 
 
-def on_policy_update(state: TrainState, batch: PolicyBatch, *, config: ModelConfig,
+def on_policy_update(state: TrainState, batch: PolicyBatch, *, model: ModelConfig,
                      tx: optax.GradientTransformation, algo: Any, plan: UpdatePlan = UpdatePlan(),
                      teacher_params: Any = None, micro_sharding: NamedSharding | None = None
                      ) -> tuple[TrainState, dict]:
@@ -440,7 +440,7 @@ def on_policy_update(state: TrainState, batch: PolicyBatch, *, config: ModelConf
         lambda x: jax.lax.with_sharding_constraint(x, rows) if x.ndim else x, batch)
   rng, _ = jax.random.split(state.rng)  # what ppo_update consumes, so the runs stay equal
   outputs, pullback = jax.vjp(
-      lambda params: policy_outputs(params, batch, config=config, algo=algo,
+      lambda params: policy_outputs(params, batch, model=model, algo=algo,
                                     chunk_size=plan.chunk_size, teacher_params=teacher_params),
       state.params)
   targets, adv_metrics = policy_targets(algo, batch.inputs, outputs.logp, batch.turn_label)
@@ -455,7 +455,7 @@ def on_policy_update(state: TrainState, batch: PolicyBatch, *, config: ModelConf
 
 
 def rl_step(state: TrainState, rollout: Any, teacher_prompt: Array, teacher_prompt_mask: Array,
-            teacher_params: Any = None, *, config: ModelConfig, tx: optax.GradientTransformation,
+            teacher_params: Any = None, *, model: ModelConfig, tx: optax.GradientTransformation,
             algo: Any, max_turns: int, plan: UpdatePlan = UpdatePlan(),
             micro_sharding: NamedSharding | None = None) -> tuple[TrainState, dict]:
   """One RL iteration on a rollout: `evidence.policy_batch`, then the update (traceable).
@@ -470,10 +470,10 @@ def rl_step(state: TrainState, rollout: Any, teacher_prompt: Array, teacher_prom
   """
   on_policy = plan.on_policy(rollout.tokens.shape[0], _shards(micro_sharding))
   batch = policy_batch(state.params, rollout, teacher_prompt, teacher_prompt_mask, state.step,
-                       config=config, algo=algo, max_turns=max_turns,
+                       model=model, algo=algo, max_turns=max_turns,
                        chunk_size=plan.chunk_size, score_student=not on_policy)
   update = on_policy_update if on_policy else ppo_update
-  state, metrics = update(state, batch, config=config, tx=tx, algo=algo, plan=plan,
+  state, metrics = update(state, batch, model=model, tx=tx, algo=algo, plan=plan,
                           teacher_params=teacher_params, micro_sharding=micro_sharding)
   return state, {**rollout_metrics(rollout), **metrics}
 
@@ -485,7 +485,7 @@ def micro_batch_sharding(mesh: Mesh, rules=sharding.RULES) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec(None, rows))
 
 
-def make_sft_step(config: ModelConfig, tx: optax.GradientTransformation,
+def make_sft_step(model: ModelConfig, tx: optax.GradientTransformation,
                   plan: UpdatePlan = UpdatePlan(), mesh: Mesh | None = None,
                   rules=sharding.RULES) -> Callable:
   """`sft_step` jitted: `(state, tokens, mask, loss_mask) -> (state, metrics)`, state donated.
@@ -493,17 +493,17 @@ def make_sft_step(config: ModelConfig, tx: optax.GradientTransformation,
   With a mesh: explicit in/out shardings (state from `train_state_shardings`, batch rows over
   the data axes, metrics replicated).
   """
-  fn = functools.partial(sft_step, config=config, tx=tx, plan=plan)
+  fn = functools.partial(sft_step, model=model, tx=tx, plan=plan)
   if mesh is None:
     return jax.jit(fn, donate_argnums=0)
   fn = functools.partial(fn, micro_sharding=micro_batch_sharding(mesh, rules))
-  state_sh, data = train_state_shardings(config, tx, mesh, rules), sharding.batch_sharding(
+  state_sh, data = train_state_shardings(model, tx, mesh, rules), sharding.batch_sharding(
       mesh, rules)
   return jax.jit(fn, in_shardings=(state_sh, data, data, data),
                  out_shardings=(state_sh, sharding.replicated(mesh)), donate_argnums=0)
 
 
-def make_rl_step(config: ModelConfig, tx: optax.GradientTransformation, algo: Any,
+def make_rl_step(model: ModelConfig, tx: optax.GradientTransformation, algo: Any,
                  max_turns: int, plan: UpdatePlan = UpdatePlan(), mesh: Mesh | None = None,
                  rules=sharding.RULES) -> Callable:
   """`rl_step` jitted, state donated.
@@ -516,12 +516,12 @@ def make_rl_step(config: ModelConfig, tx: optax.GradientTransformation, algo: An
     The state's buffers are donated: pass OPSD's frozen `teacher_params` as a separate copy,
     never `state.params` itself.
   """
-  fn = functools.partial(rl_step, config=config, tx=tx, algo=algo, max_turns=max_turns,
+  fn = functools.partial(rl_step, model=model, tx=tx, algo=algo, max_turns=max_turns,
                          plan=plan)
   if mesh is None:
     return jit_with_optional_teacher(fn)
   fn = functools.partial(fn, micro_sharding=micro_batch_sharding(mesh, rules))
-  state_sh = train_state_shardings(config, tx, mesh, rules)
+  state_sh = train_state_shardings(model, tx, mesh, rules)
   data = sharding.batch_sharding(mesh, rules)
   return jit_with_optional_teacher(fn, (state_sh, data, data, data), state_sh.params,
                                    (state_sh, sharding.replicated(mesh)))

@@ -91,14 +91,14 @@ def logprobs_from_hidden(unembed: Callable[[Array], Array], hidden: Array, token
   return (pad(logp), pad(entropy)) if with_entropy else pad(logp)
 
 
-def token_logprobs(params: Any, config: ModelConfig, tokens: Array, mask: Array, *,
+def token_logprobs(params: Any, model: ModelConfig, tokens: Array, mask: Array, *,
                    chunk_size: int | None = None, routes: Array | None = None,
                    with_entropy: bool = False, score_from: int = 1):
   """`f32[B, T]` log-probs of `tokens: i32[B, T]` under the model (see module docstring).
 
   Args:
     params: model parameters.
-    config: the model config.
+    model: the model config.
     tokens: `i32[B, T]`.
     mask: `bool[B, T]` real tokens (contiguous per row).
     chunk_size: LM-head chunk over the sequence; the result is identical to `None`.
@@ -106,15 +106,15 @@ def token_logprobs(params: Any, config: ModelConfig, tokens: Array, mask: Array,
     with_entropy: also return next-token entropies `f32[B, T]`.
     score_from: static first column scored (see `logprobs_from_hidden`).
   """
-  model = Transformer(config)
+  net = Transformer(model)
   variables = {"params": params}
-  out = model.apply(variables, tokens, mask, routes=routes, compute_logits=False)
-  unembed = lambda h: model.apply(variables, h, method=Transformer.unembed)
+  out = net.apply(variables, tokens, mask, routes=routes, compute_logits=False)
+  unembed = lambda h: net.apply(variables, h, method=Transformer.unembed)
   return logprobs_from_hidden(unembed, out.hidden, tokens, mask, chunk_size, with_entropy,
                               score_from)
 
 
-def dual_logprobs(params: Any, config: ModelConfig, student_tokens: Array, student_mask: Array,
+def dual_logprobs(params: Any, model: ModelConfig, student_tokens: Array, student_mask: Array,
                   teacher_tokens: Array, teacher_mask: Array, *, chunk_size: int | None = None,
                   routes: Array | None = None, score_from: int = 1) -> Array:
   """Student and teacher log-probs of the same trajectory, `f32[2, B, T]`, no gradient.
@@ -128,7 +128,7 @@ def dual_logprobs(params: Any, config: ModelConfig, student_tokens: Array, stude
 
   Args:
     params: model parameters.
-    config: the model config.
+    model: the model config.
     student_tokens, student_mask: `i32[B, T]`, `bool[B, T]` the rollout.
     teacher_tokens, teacher_mask: the same with the privileged prompt region.
     chunk_size: LM-head chunk over the sequence (see `token_logprobs`).
@@ -150,7 +150,7 @@ def dual_logprobs(params: Any, config: ModelConfig, student_tokens: Array, stude
     routes = (jnp.stack([routes, routes], 2) if routes.ndim == 4
               else jnp.moveaxis(routes, 0, 2))
     routes = routes.reshape(routes.shape[0], 2 * b, *routes.shape[3:])
-  out = token_logprobs(params, config, tokens, mask, chunk_size=chunk_size, routes=routes,
+  out = token_logprobs(params, model, tokens, mask, chunk_size=chunk_size, routes=routes,
                        score_from=score_from)
   return jax.lax.stop_gradient(jnp.swapaxes(out.reshape(b, 2, t), 0, 1))
 
@@ -197,7 +197,7 @@ class DivergenceScores(NamedTuple):
   logp: Array
 
 
-def token_divergence(params: Any, teacher_params: Any, config: ModelConfig,
+def token_divergence(params: Any, teacher_params: Any, model: ModelConfig,
                      student_tokens: Array, student_mask: Array, teacher_tokens: Array,
                      teacher_mask: Array, *, beta: float = 1.0, chunk_size: int | None = None,
                      score_from: int = 1) -> DivergenceScores:
@@ -215,7 +215,7 @@ def token_divergence(params: Any, teacher_params: Any, config: ModelConfig,
   Args:
     params: student parameters.
     teacher_params: teacher parameters (may be `params` itself).
-    config: the model config (shared).
+    model: the model config (shared).
     student_tokens, student_mask: `i32[B, T]`, `bool[B, T]`.
     teacher_tokens, teacher_mask: the same with the privileged prompt region.
     beta: see `generalized_jsd` (1 = reverse KL).
@@ -225,15 +225,15 @@ def token_divergence(params: Any, teacher_params: Any, config: ModelConfig,
   Returns:
     `DivergenceScores` (divergence, student entropy, student log-probs), each `f32[B, T]`.
   """
-  model = Transformer(config)
+  net = Transformer(model)
   teacher_params = jax.lax.stop_gradient(teacher_params)
-  hidden = lambda p, t, m: model.apply({"params": p}, t, m, compute_logits=False).hidden
+  hidden = lambda p, t, m: net.apply({"params": p}, t, m, compute_logits=False).hidden
   h_student = hidden(params, student_tokens, student_mask)
   h_teacher = hidden(teacher_params, teacher_tokens, teacher_mask)
 
   def score(hs, ht, target):
-    logits_s = model.apply({"params": params}, hs, method=Transformer.unembed)
-    logits_t = model.apply({"params": teacher_params}, ht, method=Transformer.unembed)
+    logits_s = net.apply({"params": params}, hs, method=Transformer.unembed)
+    logits_t = net.apply({"params": teacher_params}, ht, method=Transformer.unembed)
     div = generalized_jsd(logits_s, logits_t, beta)
     log_s = jax.nn.log_softmax(logits_s.astype(jnp.float32), axis=-1)
     logp = jnp.take_along_axis(log_s, target[..., None], axis=-1)[..., 0]

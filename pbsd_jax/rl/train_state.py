@@ -134,10 +134,10 @@ def init_train_state(params: Any, tx: optax.GradientTransformation, rng: Array,
   return jax.jit(build, out_shardings=shardings)(params, rng)
 
 
-def train_state_shardings(config: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh,
+def train_state_shardings(model: ModelConfig, tx: optax.GradientTransformation, mesh: Mesh,
                           rules=sharding.RULES) -> TrainState:
-  """`NamedSharding`s of a `TrainState` for `config` under `mesh` (from the one rules table)."""
-  params = param_shardings(config, mesh, rules)
-  opt_state = sharding.opt_state_shardings(tx, param_shapes(config), params, mesh)
+  """`NamedSharding`s of a `TrainState` for `model` under `mesh` (from the one rules table)."""
+  params = param_shardings(model, mesh, rules)
+  opt_state = sharding.opt_state_shardings(tx, param_shapes(model), params, mesh)
   return TrainState(params=params, opt_state=opt_state, step=sharding.replicated(mesh),
                     rng=sharding.replicated(mesh))

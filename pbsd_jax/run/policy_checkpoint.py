@@ -110,7 +110,7 @@ def restore_params(directory: str, step: int | None = None, sharding: Any = None
   return restored["params"], step
 
 
-def save_params(directory: str, config: ModelConfig, params: Any) -> None:
+def save_params(directory: str, model: ModelConfig, params: Any) -> None:
   """Writes the `convert_hf.py` layout: `{"params": params}` with orbax under
   `directory/params`, plus `model_config.json` (what `restore_params` and
   `config.model.init_dir` read)."""
@@ -119,15 +119,15 @@ def save_params(directory: str, config: ModelConfig, params: Any) -> None:
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(os.path.join(directory, PARAMS_DIR), {"params": params})
   checkpointer.wait_until_finished()
-  save_model_config(directory, config)
+  save_model_config(directory, model)
 
 
-def save_model_config(directory: str, config: ModelConfig) -> str:
-  """Writes `config` as `directory/model_config.json`; returns the path."""
+def save_model_config(directory: str, model: ModelConfig) -> str:
+  """Writes `model` as `directory/model_config.json`; returns the path."""
   os.makedirs(directory, exist_ok=True)
   path = os.path.join(directory, MODEL_CONFIG_FILE)
   with open(path, "w") as f:
-    json.dump(dataclasses.asdict(config), f, indent=2)
+    json.dump(dataclasses.asdict(model), f, indent=2)
   return path
 
 

@@ -226,7 +226,7 @@ def make_rl_iteration(agent: Agent, model: ModelConfig, tx: optax.GradientTransf
 
   def update(state, rollout, teacher_prompt, teacher_prompt_mask, teacher_params):
     return learner.rl_step(state, rollout, teacher_prompt, teacher_prompt_mask, teacher_params,
-                           config=model, tx=tx, algo=algo, max_turns=agent.env.max_turns,
+                           model=model, tx=tx, algo=algo, max_turns=agent.env.max_turns,
                            plan=plan, micro_sharding=micro)
 
   def step(state, search, batch, group_ids, teacher_params=None):

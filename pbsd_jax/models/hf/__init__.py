@@ -41,7 +41,7 @@ def _get_path(tree: Any, path: tuple[str, ...]) -> Any:
   return tree
 
 
-def _placement(config: ModelConfig, mesh: jax.sharding.Mesh | None, rules: Any,
+def _placement(model: ModelConfig, mesh: jax.sharding.Mesh | None, rules: Any,
                shardings: Any) -> Any:
   """A pytree (matching params) of `Sharding`, or None for plain single-device arrays."""
   if rules is not None and mesh is None:
@@ -49,38 +49,38 @@ def _placement(config: ModelConfig, mesh: jax.sharding.Mesh | None, rules: Any,
   if shardings is not None or mesh is None:
     return shardings
   if rules is None:
-    return jax.tree.map(lambda _: sharding.replicated(mesh), param_shapes(config))
-  return param_shardings(config, mesh, rules)
+    return jax.tree.map(lambda _: sharding.replicated(mesh), param_shapes(model))
+  return param_shardings(model, mesh, rules)
 
 
 def load(path: str, *, mesh: jax.sharding.Mesh | None = None, rules: Any = None,
          shardings: Any = None, param_dtype: str | None = None,
          dtype: str | None = None) -> tuple[ModelConfig, Any]:
-  """Reads a Hugging Face model directory into our config and params.
+  """Reads a Hugging Face model directory into our model config and params.
 
   Args:
     path: directory with `config.json` and `model.safetensors` or sharded safetensors plus
       `model.safetensors.index.json`.
     mesh: the device mesh; with no `rules`, every parameter is replicated over it.
     rules: a logical-axis table (`sharding.RULES` or one of its form): each parameter is
-      sharded over `mesh` as `param_shardings(config, mesh, rules)` says.
+      sharded over `mesh` as `param_shardings(model, mesh, rules)` says.
     shardings: instead of `mesh`, a pytree of `jax.sharding.Sharding` matching the params.
       Placed on devices by any of these, each device reads only its own slice of the files
       (`jax.make_array_from_callback`), so a large model never sits whole in one host's memory.
     param_dtype / dtype: see `hf_config.config_from_hf`.
 
   Returns:
-    `(config, params)`: params in our layout (see `transformer.py`), in `config.param_dtype`.
+    `(model, params)`: params in our layout (see `transformer.py`), in `model.param_dtype`.
   """
   with open(os.path.join(path, hf_config.CONFIG_FILE)) as f:
     hf = json.load(f)
-  config = hf_config.config_from_hf(hf, param_dtype, dtype)
+  model = hf_config.config_from_hf(hf, param_dtype, dtype)
   checkpoint = safetensors_io.SafetensorsCheckpoint(path)
   fused = "model.layers.0.mlp.experts.gate_up_proj" in checkpoint
-  target = jnp.dtype(config.jnp_param_dtype)
-  placement = _placement(config, mesh, rules, shardings)
+  target = jnp.dtype(model.jnp_param_dtype)
+  placement = _placement(model, mesh, rules, shardings)
   params: dict = {}
-  for path_keys, layout in hf_layout.layouts(config, fused).items():
+  for path_keys, layout in hf_layout.layouts(model, fused).items():
     if placement is None:
       array = jnp.asarray(layout.read(checkpoint).astype(target))
     else:
@@ -92,7 +92,7 @@ def load(path: str, *, mesh: jax.sharding.Mesh | None = None, rules: Any = None,
           layout.shape, where,
           lambda index, layout=layout: layout.read(checkpoint, index).astype(target))
     _set_path(params, path_keys, array)
-  return config, params
+  return model, params
 
 
 def _to_host(array: Any) -> np.ndarray:
@@ -102,21 +102,21 @@ def _to_host(array: Any) -> np.ndarray:
   return np.asarray(array)
 
 
-def _hf_entries(config: ModelConfig) -> list[tuple[str, tuple, tuple, Any]]:
+def _hf_entries(model: ModelConfig) -> list[tuple[str, tuple, tuple, Any]]:
   """(hf_name, shape, stack index, our parameter path), in file order."""
   entries = []
-  for path_keys, layout in hf_layout.layouts(config).items():
+  for path_keys, layout in hf_layout.layouts(model).items():
     for ids in itertools.product(*(range(n) for n in layout.stack)):
       entries.append((layout.hf_name(ids), layout.expected_hf_shape, ids, path_keys))
   return sorted(entries, key=lambda entry: entry[0])
 
 
-def save(config: ModelConfig, params: Any, path: str, *, architecture: str | None = None,
+def save(model: ModelConfig, params: Any, path: str, *, architecture: str | None = None,
          max_shard_size: int | str = "5GB", extra_config: dict | None = None) -> None:
   """Writes a Hugging Face model directory that `AutoModelForCausalLM.from_pretrained` loads.
 
   Args:
-    config: the model config.
+    model: the model config.
     params: params in our layout (numpy or jax arrays, possibly sharded; multi-host arrays are
       gathered one tensor at a time and written by process 0).
     path: output directory (created).
@@ -125,9 +125,9 @@ def save(config: ModelConfig, params: Any, path: str, *, architecture: str | Non
       `model.safetensors.index.json`.
     extra_config: extra `config.json` fields (e.g. `eos_token_id`, `max_position_embeddings`).
   """
-  arch = architecture or hf_config.default_architecture(config)
-  hf = {**hf_config.config_to_hf(config, arch), **(extra_config or {})}
-  layouts = hf_layout.layouts(config)
+  arch = architecture or hf_config.default_architecture(model)
+  hf = {**hf_config.config_to_hf(model, arch), **(extra_config or {})}
+  layouts = hf_layout.layouts(model)
   for path_keys, layout in layouts.items():
     try:
       leaf = _get_path(params, path_keys)
@@ -137,8 +137,8 @@ def save(config: ModelConfig, params: Any, path: str, *, architecture: str | Non
     if tuple(leaf.shape) != layout.shape:
       raise ValueError(f"params {'/'.join(path_keys)} has shape {tuple(leaf.shape)}, "
                        f"expected {layout.shape}")
-  dtype = np.dtype(config.jnp_param_dtype)
-  entries = _hf_entries(config)
+  dtype = np.dtype(model.jnp_param_dtype)
+  entries = _hf_entries(model)
   shards = [[entries[i] for i in shard] for shard in safetensors_io.plan_shards(
       [math.prod(shape) * dtype.itemsize for _, shape, _, _ in entries], max_shard_size)]
   writer = jax.process_index() == 0

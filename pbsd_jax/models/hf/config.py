@@ -185,55 +185,55 @@ def config_from_hf(hf: dict, param_dtype: str | None = None,
       num_experts=num_experts, param_dtype=param_dtype, dtype=dtype or param_dtype, **moe)
 
 
-def default_architecture(config: ModelConfig) -> str:
-  """The HF architecture that represents `config` most directly."""
-  if config.is_moe:
+def default_architecture(model: ModelConfig) -> str:
+  """The HF architecture that represents `model` most directly."""
+  if model.is_moe:
     return QWEN3_MOE
-  if config.qk_norm:
+  if model.qk_norm:
     return QWEN3
-  return QWEN2 if config.qkv_bias and not config.o_bias else LLAMA
+  return QWEN2 if model.qkv_bias and not model.o_bias else LLAMA
 
 
-def _check_architecture(config: ModelConfig, arch: str) -> None:
+def _check_architecture(model: ModelConfig, arch: str) -> None:
   if arch not in SUPPORTED_ARCHITECTURES:
     raise ValueError(f"architecture {arch!r} is not supported; supported: "
                      f"{list(SUPPORTED_ARCHITECTURES)}")
   problems = []
-  if config.is_moe and arch != QWEN3_MOE:
+  if model.is_moe and arch != QWEN3_MOE:
     problems.append("num_experts > 0 needs Qwen3MoeForCausalLM")
-  if config.qk_norm != (arch in (QWEN3, QWEN3_MOE)):
-    problems.append(f"qk_norm={config.qk_norm} does not match {arch}")
-  if arch == QWEN2 and (not config.qkv_bias or config.o_bias):
+  if model.qk_norm != (arch in (QWEN3, QWEN3_MOE)):
+    problems.append(f"qk_norm={model.qk_norm} does not match {arch}")
+  if arch == QWEN2 and (not model.qkv_bias or model.o_bias):
     problems.append("Qwen2ForCausalLM has q/k/v biases and no output bias; set qkv_bias=True, "
                     "o_bias=False")
-  if arch != QWEN2 and config.qkv_bias != config.o_bias:
+  if arch != QWEN2 and model.qkv_bias != model.o_bias:
     problems.append(f"{arch}'s attention_bias biases q/k/v and the output together; "
-                    f"qkv_bias={config.qkv_bias} and o_bias={config.o_bias} differ")
+                    f"qkv_bias={model.qkv_bias} and o_bias={model.o_bias} differ")
   if problems:
     raise ValueError(f"ModelConfig cannot be saved as {arch}: " + "; ".join(problems))
 
 
-def config_to_hf(config: ModelConfig, architecture: str | None = None) -> dict:
-  """The `config.json` dict of `config` as `architecture` (default: `default_architecture`)."""
-  arch = architecture or default_architecture(config)
-  _check_architecture(config, arch)
+def config_to_hf(model: ModelConfig, architecture: str | None = None) -> dict:
+  """The `config.json` dict of `model` as `architecture` (default: `default_architecture`)."""
+  arch = architecture or default_architecture(model)
+  _check_architecture(model, arch)
   hf = {
       "architectures": [arch], "model_type": MODEL_TYPES[arch],
-      "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-      "intermediate_size": config.mlp_dim, "num_hidden_layers": config.num_layers,
-      "num_attention_heads": config.num_heads, "num_key_value_heads": config.num_kv_heads,
-      "head_dim": config.resolved_head_dim, "hidden_act": "silu",
-      "rms_norm_eps": config.rms_norm_eps, "rope_theta": config.rope_theta,
-      "rope_scaling": _rope_to_hf(config.rope_scaling),
-      "tie_word_embeddings": config.tie_embeddings, "torch_dtype": config.param_dtype,
+      "vocab_size": model.vocab_size, "hidden_size": model.hidden_size,
+      "intermediate_size": model.mlp_dim, "num_hidden_layers": model.num_layers,
+      "num_attention_heads": model.num_heads, "num_key_value_heads": model.num_kv_heads,
+      "head_dim": model.resolved_head_dim, "hidden_act": "silu",
+      "rms_norm_eps": model.rms_norm_eps, "rope_theta": model.rope_theta,
+      "rope_scaling": _rope_to_hf(model.rope_scaling),
+      "tie_word_embeddings": model.tie_embeddings, "torch_dtype": model.param_dtype,
       "attention_dropout": 0.0,
   }
   if arch != QWEN2:
-    hf["attention_bias"] = config.qkv_bias
+    hf["attention_bias"] = model.qkv_bias
   if arch != LLAMA:
-    hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=config.num_layers)
+    hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=model.num_layers)
   if arch == QWEN3_MOE:
-    hf.update(num_experts=config.num_experts, num_experts_per_tok=config.num_experts_per_tok,
-              moe_intermediate_size=config.resolved_expert_mlp_dim,
-              norm_topk_prob=config.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
+    hf.update(num_experts=model.num_experts, num_experts_per_tok=model.num_experts_per_tok,
+              moe_intermediate_size=model.resolved_expert_mlp_dim,
+              norm_topk_prob=model.norm_topk_prob, decoder_sparse_step=1, mlp_only_layers=[])
   return hf

@@ -101,9 +101,9 @@ class Layout:
     return np.asarray(block).transpose(np.argsort(self.perm)).reshape(self.expected_hf_shape)
 
 
-def layouts(config: ModelConfig, fused_experts: bool = False) -> dict[tuple[str, ...], Layout]:
-  """Our parameter path -> `Layout`, for every parameter of `config`."""
-  c = config
+def layouts(model: ModelConfig, fused_experts: bool = False) -> dict[tuple[str, ...], Layout]:
+  """Our parameter path -> `Layout`, for every parameter of `model`."""
+  c = model
   d, v, l = c.hidden_size, c.vocab_size, c.num_layers
   h, kv, hd, m = c.num_heads, c.num_kv_heads, c.resolved_head_dim, c.mlp_dim
   layer = "model.layers.{layer}."
