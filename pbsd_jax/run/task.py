@@ -187,15 +187,16 @@ def _check_manifest(spec: RunSpec, path: str) -> None:
 
 def prepare_task(spec: RunSpec, workdir: str) -> Task:
   """Reads the questions, the vocabulary and the corpus `spec` names and builds the
-  environment and retrievers.
+  tokenizer, the environment and the search.
 
   Questions: `config.data.train_files` / `eval_files` / `sft_files` (Search-R1 JSONL or parquet;
   SFT records hold trajectories), else the embedded dataset in `config.data.dir` (made there
   if missing). Vocabulary: `config.model.init_dir`'s tokenizer and chat template when it has
-  them, else the embedded SentencePiece model. Retrieval (`config.env.retriever`): the token
-  BM25 over the corpus (`ingraph`, `host`; `config.data.corpus` or the embedded corpus), a
-  `bm25s` index (`config.env.index_dir`, else built from the corpus), or a retrieval server
-  (`http`, probed here). No device index is built for `bm25s` or `http`.
+  them, else the embedded SentencePiece model. Search (`config.env.retriever`, `_search`): the
+  token BM25 over the corpus (`ingraph` on the devices, `host` behind a host call;
+  `config.data.corpus` or the embedded corpus), a `bm25s` index (`config.env.index_dir`, else
+  built from the corpus), or a retrieval server (`http`, probed here). Over user data no
+  device index is built for `bm25s` or `http`.
 
   Raises:
     run_config.ConfigError: naming the field, for anything that cannot run.
@@ -204,9 +205,6 @@ def prepare_task(spec: RunSpec, workdir: str) -> Task:
   from pbsd_jax.data.build import make_dataset
   from pbsd_jax.data.records import read_records
   from pbsd_jax.agent.env import token_text
-  from pbsd_jax.agent.env.host_bm25 import HostBM25Retriever, read_corpus
-  from pbsd_jax.agent.env.http import HttpRetriever
-  from pbsd_jax.agent.env.token_retriever import TokenBM25Retriever
 
   user_data = bool(spec.data.train_files)
   vocab, chat = _model_vocabulary(spec)
@@ -241,37 +239,51 @@ def prepare_task(spec: RunSpec, workdir: str) -> Task:
                             **dataclasses.asdict(spec.env))
   text = (token_text.build(vocab_lib.token_bytes(vocab), (vocab.eos_id, vocab.pad_id))
           if env.text_tags else None)
+  search, index = _search(spec, corpus, vocab, keep_index=not user_data)
+  task = Task(Tokenizer(vocab, text, chat), env, search, index, splits)
+  if user_data:
+    _check_prompts(task, spec.data)
+  return task
+
+
+def _search(spec: RunSpec, corpus: str, vocab: Any, keep_index: bool
+            ) -> tuple[DeviceIndex | Retriever, DeviceIndex | None]:
+  """`(search, index)`: what the rollouts search (`config.env.retriever`) and the token BM25
+  on the devices, built for the in-graph and host retrievers and, with `keep_index`, for any
+  (the embedded task's SFT replays the oracle's searches in-graph).
+
+  Raises:
+    run_config.ConfigError: naming the field, for a corpus, index or server that cannot be
+      used.
+  """
+  from pbsd_jax.agent.env.host_bm25 import HostBM25Retriever, read_corpus
+  from pbsd_jax.agent.env.http import HttpRetriever
+  from pbsd_jax.agent.env.token_retriever import TokenBM25Retriever
   retrieval = spec.retrieval
   kind, index = retrieval.retriever, None
   if kind in ("ingraph", "host", "bm25s") and not (corpus or retrieval.index_dir):
     raise run_config.ConfigError(f"config.env.retriever={kind!r} needs config.data.corpus "
                                  "(a corpus JSONL with 'id' and 'contents')")
   try:
-    # The token BM25 for the in-graph and host retrievers; the embedded task keeps it for
-    # any retriever (its SFT replays the oracle's searches in-graph).
-    if kind in ("ingraph", "host") or not user_data:
+    if kind in ("ingraph", "host") or keep_index:
       ids, contents = read_corpus(corpus)
       index = _token_index(spec, ids, contents, vocab)
     if kind == "ingraph":
-      search = index
-    elif kind == "host":
-      search = TokenBM25Retriever(index, lambda t: list(vocab.encode(t)), contents, ids)
-    elif kind == "bm25s":
-      search = (HostBM25Retriever.load(retrieval.index_dir) if retrieval.index_dir
-                else HostBM25Retriever.from_jsonl(corpus))
-    else:
-      search = HttpRetriever(retrieval.url, timeout_s=retrieval.timeout_s,
-                             max_retries=retrieval.max_retries)
-      _probe(search, retrieval.url)
+      return index, index
+    if kind == "host":
+      return TokenBM25Retriever(index, lambda t: list(vocab.encode(t)), contents, ids), index
+    if kind == "bm25s":
+      return (HostBM25Retriever.load(retrieval.index_dir) if retrieval.index_dir
+              else HostBM25Retriever.from_jsonl(corpus)), index
+    server = HttpRetriever(retrieval.url, timeout_s=retrieval.timeout_s,
+                           max_retries=retrieval.max_retries)
+    _probe(server, retrieval.url)
+    return server, index
   except (FileNotFoundError, ValueError) as err:
     if isinstance(err, run_config.ConfigError):
       raise
     field = "env.index_dir" if retrieval.index_dir and kind != "http" else "data.corpus"
     raise run_config.ConfigError(f"config.{field}: {err}") from None
-  task = Task(Tokenizer(vocab, text, chat), env, search, index, splits)
-  if user_data:
-    _check_prompts(task, spec.data)
-  return task
 
 
 def _token_index(spec: RunSpec, ids: list[str], contents: list[str], vocab: Any
