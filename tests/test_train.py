@@ -258,6 +258,21 @@ def test_replayed_routing_scores_the_same_rollout_under_the_sampler_routes(kg, t
   assert replayed["credit/mean_abs_evidence"] != fresh["credit/mean_abs_evidence"]
 
 
+def test_an_oracle_trajectory_longer_than_the_turn_budget_fails_naming_the_field(kg):
+  from pbsd_jax.run import run_config, task as task_lib
+  from test_configs import load_spec
+
+  spec = load_spec("demo", *SMALL, "--config.env.max_turns=3")
+  task = task_lib.prepare_task(spec, os.path.dirname(kg.paths["spm_model"]))
+  spec = spec.for_vocabulary(task.vocab.vocab_size)
+  long = next(r for r in task.splits["sft"] if len(r["actions"]) > 3)
+  with pytest.raises(run_config.ConfigError) as err:
+    task_lib.sft_sequences(task, [long], spec.data, spec.model)
+  assert str(err.value) == (
+      f"config.env.max_turns=3: the oracle trajectory of SFT question {long['question']!r}: "
+      f"has {len(long['actions'])} actions, more than max_turns=3")
+
+
 def test_the_generator_fields_make_the_dataset_and_a_made_one_must_match(tmp_path):
   from pbsd_jax.data import world as world_lib
   from pbsd_jax.run import run_config, task as task_lib

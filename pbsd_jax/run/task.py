@@ -414,8 +414,15 @@ def sft_sequences(task: Task, records: list[dict], data: DataSpec, model: ModelC
     rows = rows + [rows[-1]] * (chunk - len(rows))  # one shape, one compile
     region = prompt_region([r["question"] for r in rows], task.tokenizer.encode,
                            data.prompt_width, data.template, chat=task.tokenizer.chat)
-    forced, lengths = forced_batch([r["actions"] for r in rows], task.tokenizer.encode,
-                                   env.max_turns, env.max_action_tokens)
+    try:
+      forced, lengths = forced_batch([r["actions"] for r in rows], task.tokenizer.encode,
+                                     env.max_turns, env.max_action_tokens)
+    except ValueError as err:  # "row b[, turn k]: ..." of an oracle trajectory too long
+      row, rest = re.match(r"row (\d+),? (.*)", str(err)).groups()
+      field = "max_turns" if "max_turns" in rest else "max_action_tokens"
+      raise run_config.ConfigError(
+          f"config.env.{field}={getattr(env, field)}: the oracle trajectory of SFT question "
+          f"{rows[int(row)]['question']!r}: {rest}") from None
     gold = task.gold([r["golden_answers"] for r in rows], data.gold_width, slots)
     rollout = ingraph_rollout(sampler, env, params, region["prompts"], region["prompt_mask"],
                               jax.random.key(0), task.index, gold, None, forced, lengths,
