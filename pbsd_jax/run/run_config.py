@@ -36,8 +36,6 @@ from pbsd_jax.run import workdir as workdir_lib
 RETRIEVERS = ("ingraph", "host", "bm25s", "http")
 # GRPO fields whose "off" is None in the algorithm and 0 in the config (command-line typed).
 _ZERO_IS_NONE = {"dual_clip": 0.0, "norm_len": 0.0, "overlong_max_len": 0}
-ENV_FIELDS = ("buffer_size", "max_turns", "max_action_tokens", "max_observation_tokens",
-              "max_query_tokens", "top_k")
 # Validation builds the environment before the vocabulary exists: distinct stand-in tag ids.
 _STAND_IN_IDS = dict(search_open=1, search_close=2, answer_open=3, answer_close=4, info_open=5,
                      info_close=6, eos_id=7, notice=(8,))
@@ -455,12 +453,15 @@ def _stage_optimizer(config, stage: str):
   return train_state.make_optimizer(1.0)
 
 
-def _spec(config, model: ModelConfig) -> RunSpec:
-  """The `RunSpec` of a validated `config` (`model`: its model config before the data)."""
+def _spec(config, model: ModelConfig, algorithm: Any, env: EnvSpec, optimizers: dict,
+          plan: learner.UpdatePlan) -> RunSpec:
+  """The `RunSpec` of a validated `config`, with what `validate` built: `model` (its model
+  config before the data), the algorithm, the environment's sizes, each stage's optimiser
+  and the RL update plan."""
   d, e, c = config.data, config.env, config.checkpoint
   sampling = {s: SamplerSettings(**_sampler_settings(config, s)) for s in ("rollout", "eval")}
   return RunSpec(
-      algorithm=build_algorithm(config), model_source=_model_source(config),
+      algorithm=algorithm, model_source=_model_source(config),
       model=model if config.model.init_dir or "vocab_size" in SIZES[config.model.name] else None,
       data=DataSpec(dir=d.dir, make_if_missing=d.make_if_missing,
                     train_files=_files(d.train_files), eval_files=_files(d.eval_files),
@@ -469,15 +470,14 @@ def _spec(config, model: ModelConfig) -> RunSpec:
                     prompt_width=d.prompt_width, gold_width=d.gold_width,
                     chat_template=d.chat_template,
                     generator=None if d.train_files else dataset_args(config)),
-      env=EnvSpec(**{f: e[f] for f in ENV_FIELDS}),
+      env=env,
       retrieval=RetrievalSpec(e.retriever, e.index, e.index_dir, e.url, e.timeout_s,
                               e.max_retries),
       sft=SFTSpec(config.sft.steps, config.sft.batch_size, config.sft.max_examples,
-                  config.sft.teacher_fraction,
-                  _stage_optimizer(config, "sft"),
+                  config.sft.teacher_fraction, optimizers["sft"],
                   learner.UpdatePlan(chunk_size=config.rl.chunk_size or None)),
       rl=RLSpec(config.rl.steps, config.rollout.prompts_per_step, config.grpo.group_size,
-                build_plan(config), _stage_optimizer(config, "rl"),
+                plan, optimizers["rl"],
                 config.rl.save_rollouts, config.rl.max_skipped_steps),
       eval=EvalSpec(config.eval.every, config.eval.sft_every, config.eval.num_examples,
                     tuple(config.eval.pass_k)),
@@ -494,7 +494,7 @@ def validate(config, num_devices: int | None = None) -> RunSpec:
   Raises:
     ConfigError: naming the first field that cannot run.
   """
-  build_algorithm(config)
+  algorithm = build_algorithm(config)
   model = model_before_data(config)
   if not config.data.train_files:
     dataset_args(config)
@@ -514,8 +514,9 @@ def validate(config, num_devices: int | None = None) -> RunSpec:
                       "max_retries": "env.max_retries"}, "env"):
     HttpRetriever(config.env.url if config.env.retriever == "http" else "http://unused",
                   timeout_s=config.env.timeout_s, max_retries=config.env.max_retries)
-  with naming_fields({f: f"env.{f}" for f in ENV_FIELDS}, "env"):
-    AgentEnv(**{f: config.env[f] for f in ENV_FIELDS}, **_STAND_IN_IDS)
+  env = EnvSpec(**{f.name: config.env[f.name] for f in dataclasses.fields(EnvSpec)})
+  with naming_fields({f: f"env.{f}" for f in dataclasses.asdict(env)}, "env"):
+    AgentEnv(**dataclasses.asdict(env), **_STAND_IN_IDS)
   if config.data.prompt_width >= config.env.buffer_size:
     _fail("data.prompt_width", config.data.prompt_width,
           f"leaves no room for a trajectory in env.buffer_size={config.env.buffer_size}")
@@ -523,11 +524,11 @@ def validate(config, num_devices: int | None = None) -> RunSpec:
     _fail("rollout.prompts_per_step", config.rollout.prompts_per_step, "must be >= 1")
   build_sampler(config, model, "rollout")
   build_sampler(config, model, "eval")
+  optimizers = {}
   for stage in ("sft", "rl"):
     if config[stage].steps < 0:
       _fail(f"{stage}.steps", config[stage].steps, "must be >= 0")
-    if config[stage].steps:
-      build_optimizer(config, stage)
+    optimizers[stage] = _stage_optimizer(config, stage)
   for field, low in (("batch_size", 1), ("max_examples", 0)):
     if config.sft[field] < low:
       _fail(f"sft.{field}", config.sft[field], f"must be >= {low}")
@@ -545,9 +546,10 @@ def validate(config, num_devices: int | None = None) -> RunSpec:
                                num_devices=num_devices)
   batch = config.rollout.prompts_per_step * config.grpo.group_size
   rows = "rl.micro_batch_size" if config.rl.micro_batch_size else "rollout.prompts_per_step"
+  plan = build_plan(config)
   with naming_fields({"minibatches": "rl.minibatches", "micro_batch_size": "rl.micro_batch_size",
                       "data-parallel": rows}, "rl"):
-    build_plan(config).micro_batches(batch, mesh["data"] * mesh["fsdp"])
+    plan.micro_batches(batch, mesh["data"] * mesh["fsdp"])
   if config.sft.steps and config.sft.batch_size % (mesh["data"] * mesh["fsdp"]):
     _fail("sft.batch_size", config.sft.batch_size,
           f"does not split over the {mesh['data'] * mesh['fsdp']} data-parallel devices of "
@@ -569,7 +571,7 @@ def validate(config, num_devices: int | None = None) -> RunSpec:
   if config.rl.max_skipped_steps < 0:
     _fail("rl.max_skipped_steps", config.rl.max_skipped_steps, "must be >= 0 (0: never stop)")
   validate_checkpointer(config)
-  return _spec(config, model)
+  return _spec(config, model, algorithm, env, optimizers, plan)
 
 
 def validate_checkpointer(config) -> None:
