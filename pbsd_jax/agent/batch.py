@@ -14,6 +14,7 @@ import numpy as np
 
 from pbsd_jax import protocol
 from pbsd_jax.agent import privileged
+from pbsd_jax.agent.tokenizer import Tokenizer
 
 Encode = Callable[[str], list[int]]
 
@@ -102,14 +103,14 @@ def gold_text_batch(golden_answers: Sequence[Sequence[str]], width: int,
   return gold_batch(encoded, lambda text: list(text), width, num)
 
 
-def reward_gold(golden_answers: Sequence[Sequence[str]], encode: Encode, width: int,
-                num: int | None = None, *, text_tags: bool = False) -> np.ndarray:
-  """The gold of the in-graph reward: the answers' token ids (`gold_batch`, `width` tokens),
-  or where the protocol tags are several tokens their normalised bytes, 8 per token of
-  `width` (`gold_text_batch`)."""
-  if text_tags:
+def reward_gold(golden_answers: Sequence[Sequence[str]], tokenizer: Tokenizer, width: int,
+                num: int | None = None) -> np.ndarray:
+  """The gold of the in-graph reward for `tokenizer`: the answers' token ids (`gold_batch`,
+  `width` tokens), or where the protocol tags are several tokens (the tokenizer has their
+  `text`) their normalised bytes, 8 per token of `width` (`gold_text_batch`)."""
+  if tokenizer.text is not None:
     return gold_text_batch(golden_answers, 8 * width, num)
-  return gold_batch(golden_answers, encode, width, num)
+  return gold_batch(golden_answers, tokenizer.encode, width, num)
 
 
 def forced_batch(action_lists: Sequence[Sequence[str]], encode: Encode, max_turns: int,

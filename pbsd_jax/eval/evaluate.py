@@ -201,8 +201,7 @@ def evaluate(agent: Agent, params: Any, records: Sequence[Mapping], *, batch_siz
   region = prompt_region([r["question"] for r in records], tokenizer.encode, prompt_width,
                          template, answers=([r["golden_answers"][0] for r in records]
                                             if with_credit else None), chat=tokenizer.chat)
-  gold = reward_gold([r["golden_answers"] for r in records], tokenizer.encode, gold_width,
-                     text_tags=tokenizer.text is not None)
+  gold = reward_gold([r["golden_answers"] for r in records], tokenizer, gold_width)
   gold_docs = (gold_chain.gold_doc_batch(records, max(r["hops"] for r in records)) if with_credit
                else None)
   rows = np.repeat(np.arange(len(records)), samples_per_question)
@@ -223,8 +222,7 @@ def evaluate(agent: Agent, params: Any, records: Sequence[Mapping], *, batch_siz
     if with_credit:
       stats["turn_label"] = out.turn_label
       stats["evidence"] = _turn_evidence(credit_algo, agent.sampler.model, agent.env.max_turns,
-                                         params,
-                                         out, region["teacher_prompt"][padded],
+                                         params, out, region["teacher_prompt"][padded],
                                          region["teacher_prompt_mask"][padded])
     parts.append((len(chunk), stats))
   fields = OUTCOME_FIELDS + (("turn_label", "evidence") if with_credit else ())

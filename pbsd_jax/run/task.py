@@ -73,12 +73,6 @@ class Task:
     """The agent that samples with `sampler` on this task."""
     return Agent(sampler, self.env, self.tokenizer, self.search)
 
-  def gold(self, golden_answers: list[list[str]], width: int, num: int | None = None
-           ) -> np.ndarray:
-    """The gold of the in-graph reward for this vocabulary (`batch.reward_gold`)."""
-    return reward_gold(golden_answers, self.tokenizer.encode, width, num,
-                       text_tags=self.tokenizer.text is not None)
-
   @functools.cached_property
   def rl_widths(self) -> tuple[int, int | None]:
     """`rl_train`'s most golden answers and most hops (None unless every record has a gold
@@ -423,7 +417,8 @@ def sft_sequences(task: Task, records: list[dict], data: DataSpec, model: ModelC
       raise run_config.ConfigError(
           f"config.env.{field}={getattr(env, field)}: the oracle trajectory of SFT question "
           f"{rows[int(row)]['question']!r}: {rest}") from None
-    gold = task.gold([r["golden_answers"] for r in rows], data.gold_width, slots)
+    gold = reward_gold([r["golden_answers"] for r in rows], task.tokenizer, data.gold_width,
+                       slots)
     rollout = ingraph_rollout(sampler, env, params, region["prompts"], region["prompt_mask"],
                               jax.random.key(0), task.index, gold, None, forced, lengths,
                               text=task.tokenizer.text)
@@ -457,8 +452,8 @@ def rl_batch(task: Task, data: DataSpec, records: list[dict]) -> dict[str, np.nd
                          answers=[r["golden_answers"][0] for r in records],
                          chat=task.tokenizer.chat)
   slots, hops = task.rl_widths  # every step's batch has one shape
-  batch = dict(**region, gold=task.gold([r["golden_answers"] for r in records],
-                                        data.gold_width, slots))
+  batch = dict(**region, gold=reward_gold([r["golden_answers"] for r in records],
+                                          task.tokenizer, data.gold_width, slots))
   if hops is not None:
     batch["gold_docs"] = gold_doc_batch(records, hops)
   return batch
