@@ -16,7 +16,9 @@ shards (`--shards`, a multiple of the run's device count) are placed one per dev
 
 import os
 
-from absl import app, flags
+from absl import flags
+
+from pbsd_jax.run import cli
 
 _CORPUS = flags.DEFINE_string("corpus", None, "Corpus JSONL with 'id' and 'contents'.",
                               required=True)
@@ -52,11 +54,10 @@ def main(argv):
                         sparse_shards=_SHARDS.value)
   except (FileNotFoundError, ValueError) as err:
     raise SystemExit(f"build_index: {err}") from None
-  os.makedirs(_OUT.value, exist_ok=True)
   index.save(os.path.join(_OUT.value, INDEX_FILE))
   print(f"indexed {index.num_docs} documents ({int((index.postings >= 0).sum())} postings, "
         f"{index.num_shards} shards) into {os.path.join(_OUT.value, INDEX_FILE)}")
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

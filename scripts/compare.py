@@ -38,6 +38,7 @@ import time
 from absl import flags
 from absl import logging
 
+from pbsd_jax.data import storage
 from pbsd_jax.run import cli
 
 _CONFIG = cli.define_config(
@@ -81,10 +82,8 @@ MOE_ONLY = {"pbsd-replay"}
 
 
 def _write_json(path, value):
-  tmp = f"{path}.tmp-{os.getpid()}"
-  with open(tmp, "w") as f:
+  with storage.replaced(path) as f:
     json.dump(value, f, indent=1, default=float)
-  os.replace(tmp, path)
 
 
 def main(argv):
@@ -350,8 +349,7 @@ def write_results(path, evals, runs, methods, config, minutes, ablations=()):
                                       "auc_evidence_failed", "frac_useful",
                                       "frac_evidence_pos", "mean_abs_evidence"], eval_credit),
               ""]
-  os.makedirs(out_dir, exist_ok=True)
-  with open(path, "w") as f:
+  with storage.replaced(path) as f:
     f.write("\n".join(lines))
   return path
 

@@ -30,7 +30,7 @@ from pbsd_jax.models import hf
 from pbsd_jax.models.config import ModelConfig
 from pbsd_jax.models.hf import config as hf_config, safetensors_io
 from pbsd_jax.models.transformer import param_shapes
-from pbsd_jax.run import policy_checkpoint
+from pbsd_jax.run import cli, policy_checkpoint
 
 MODEL_CONFIG_FILE = policy_checkpoint.MODEL_CONFIG_FILE
 PARAMS_DIR = policy_checkpoint.PARAMS_DIR
@@ -138,4 +138,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

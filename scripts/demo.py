@@ -17,6 +17,7 @@ import time
 from absl import flags
 from absl import logging
 
+from pbsd_jax.data import storage
 from pbsd_jax.run import cli
 
 _CONFIG = cli.define_config(
@@ -45,7 +46,7 @@ def main(argv):
 
   def validation_accuracy(params, name, out_dir, settings=spec):
     result = train.validation_accuracy(settings, task, params, progress=tqdm.tqdm, credit=True)
-    with open(os.path.join(out_dir, f"eval_{name}.json"), "w") as f:
+    with storage.replaced(os.path.join(out_dir, f"eval_{name}.json")) as f:
       json.dump(result, f, indent=1, default=float)
     credit = result.get("credit")
     auc = "" if credit is None else (

@@ -22,6 +22,7 @@ import os
 from absl import flags
 from absl import logging
 
+from pbsd_jax.data import storage
 from pbsd_jax.run import cli
 
 _CONFIG = cli.define_config("configs/pbsd.py", "Run configuration (data, environment, eval).")
@@ -88,8 +89,7 @@ def main(argv):
     print(evaluate.format_table(got))
   suffix = "" if step is None else f"_step{step}"
   out = _OUT.value or os.path.join(workdir, f"eval_{os.path.basename(ckpt_dir)}{suffix}.json")
-  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-  with open(out, "w") as f:
+  with storage.replaced(out) as f:
     json.dump(results, f, indent=2)
   print(f"\nwrote {out}")
 

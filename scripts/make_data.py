@@ -5,10 +5,10 @@ SentencePiece vocabulary) to a directory.
       [--family_rate 0.4] [--detour_share 0.15] [--hop_weights 0.3,0.3,0.25,0.15]
 """
 
-from absl import app
 from absl import flags
 
 from pbsd_jax.data import build, oracle, splits, world
+from pbsd_jax.run import cli
 
 _OUT = flags.DEFINE_string("out", None, "Output directory.", required=True)
 _SEED = flags.DEFINE_integer("seed", 0, "The seed everything derives from.")
@@ -42,4 +42,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

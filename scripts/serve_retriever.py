@@ -22,6 +22,7 @@ from pbsd_jax import protocol
 from pbsd_jax.agent.env.host_bm25 import HostBM25Retriever, read_corpus
 from pbsd_jax.agent.env.http import RetrievalServer
 from pbsd_jax.agent.env.token_retriever import TokenBM25Retriever
+from pbsd_jax.run import cli
 
 _BACKEND = flags.DEFINE_enum("backend", "bm25s", ["bm25s", "token"], "Which index to serve.")
 _CORPUS = flags.DEFINE_string("corpus", None, "Corpus JSONL with 'id' and 'contents' fields.")
@@ -85,4 +86,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -175,3 +175,27 @@ def test_without_ood_file_the_pool_is_stratified_by_the_sft_checkpoint(compariso
                   "questions (tier sizes {'easy': 0, 'medium': 0, 'hard': 6}, n=2 samples "
                   "each)"), last
   assert not [n for n in os.listdir(run) if "_seed" in n]
+
+
+def test_a_full_disk_under_the_results_page_ends_in_one_line_and_leaves_no_partial_page(
+    comparison, tmp_path, record_property):
+  # The finished comparison, copied, only draws its page again: onto a full tmpfs first.
+  from test_storage_faults import fill, one_line, tmpfs
+  workdir, page, ood, data_dir, _ = comparison
+  run = str(tmp_path / "run")
+  shutil.copytree(workdir, run)
+  with tmpfs(tmp_path / "disk", 1) as disk:
+    target = os.path.join(disk, "docs", "results.md")
+    filler = fill(disk)
+    proc = _compare(run, data_dir, ood, target, check=False)
+    line = one_line(proc.stdout + proc.stderr, proc.returncode)
+    assert line.startswith(f"error: no space left on the device of {disk}/docs/"), line
+    leftovers = [n for _, _, names in os.walk(disk) for n in names if n != "filler"]
+    assert not leftovers, leftovers  # no page, no plot, no temporary file
+
+    os.remove(filler)
+    _compare(run, data_dir, ood, target)
+    tables = lambda text: [row for row in text.splitlines() if row.startswith("|")]
+    with open(target) as got, open(page) as want:
+      assert tables(got.read()) == tables(want.read())
+  record_property("faults_injected", 1)

@@ -146,3 +146,17 @@ def test_a_corrupt_latest_checkpoint_resumes_to_the_uninterrupted_parameters(
   record_property("faults_injected", 1)
   record_property("runs_resumed", 1)
   record_property("bytes_compared", sum(x.nbytes for x in jax.tree.leaves(want)))
+
+
+def test_tensorboard_reads_every_finite_metric_of_every_step(tmp_path):
+  import tensorflow as tf  # an independent reader of the event file (it checks the CRCs)
+  log = MetricLog(str(tmp_path))
+  log.write("rl", 1, {"loss": 0.25, "auc": float("nan")})
+  log.write("rl", 2, {"loss": 0.125, "auc": 0.75})
+  log.write("eval", 2, {"accuracy": 0.5})
+  [path] = [os.path.join(tmp_path, "tensorboard", n)
+            for n in os.listdir(tmp_path / "tensorboard")]
+  got = [(e.step, v.tag, v.simple_value) for e in tf.compat.v1.train.summary_iterator(path)
+         for v in e.summary.value]
+  assert got == [(1, "rl/loss", 0.25), (2, "rl/loss", 0.125), (2, "rl/auc", 0.75),
+                 (2, "eval/accuracy", 0.5)]

@@ -23,6 +23,7 @@ import os
 from pbsd_jax import protocol
 from pbsd_jax.data import (corpus as corpus_lib, oracle as oracle_lib, splits as splits_lib,
                            vocab as vocab_lib, world as world_lib)
+from pbsd_jax.data import storage
 from pbsd_jax.data.jsonl import write_jsonl
 
 
@@ -54,7 +55,7 @@ def make_dataset(out_dir: str, seed: int = 0,
   paths["world"] = os.path.join(out_dir, "world.json")
   paths["corpus"] = os.path.join(out_dir, "corpus.jsonl")
   paths["manifest"] = os.path.join(out_dir, "manifest.json")
-  with open(paths["world"], "w", encoding="utf-8") as f:
+  with storage.replaced(paths["world"], encoding="utf-8") as f:
     json.dump(world.to_json(), f, ensure_ascii=False)
   write_jsonl(paths["corpus"], corpus)
   for name in ("rl_train", "rl_validation", "ood", "ood_pool"):
@@ -73,6 +74,6 @@ def make_dataset(out_dir: str, seed: int = 0,
               "split_sizes": dataclasses.asdict(split_sizes), "detour_share": detour_share,
               "vocab_size": vocab_size, "num_documents": len(corpus),
               "counts": {name: len(splits[name]) for name in splits_lib.SPLITS}}
-  with open(paths["manifest"], "w", encoding="utf-8") as f:
+  with storage.replaced(paths["manifest"], encoding="utf-8") as f:  # last: the data is whole
     json.dump(manifest, f, indent=1)
   return paths

@@ -1,15 +1,17 @@
 """Reading JSONL files line by line, with 1-based line numbers for error messages, and
-writing them whole.
+writing them whole (under a temporary name, renamed into place once complete).
 
 Shared by the question-record reader (`data/records.py`), the corpus reader
-(`env/host_bm25.py`) and the metric-log reader (`report.py`); imports nothing of the package.
+(`env/host_bm25.py`) and the metric-log reader (`report.py`); imports only `storage` of
+the package.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from typing import Any, Iterable, Iterator
+
+from pbsd_jax.data import storage
 
 
 def iter_jsonl(path: str) -> Iterator[tuple[int, Any]]:
@@ -32,8 +34,8 @@ def iter_jsonl(path: str) -> Iterator[tuple[int, Any]]:
 
 
 def write_jsonl(path: str, rows: Iterable[Any]) -> None:
-  """Writes one JSON value per line (UTF-8, non-ASCII kept), creating the parent folder."""
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "w", encoding="utf-8") as f:
+  """Writes one JSON value per line (UTF-8, non-ASCII kept), creating the parent folder; the
+  file appears whole or not at all (`storage.replaced`)."""
+  with storage.replaced(path, encoding="utf-8") as f:
     for row in rows:
       f.write(json.dumps(row, ensure_ascii=False) + "\n")

@@ -12,9 +12,16 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import struct
+import time
 
 import numpy as np
+from tensorboardX import summary
+from tensorboardX.proto import event_pb2, summary_pb2
+from tensorboardX.record_writer import masked_crc32c
 
+from pbsd_jax.data import storage
 from pbsd_jax.data.jsonl import iter_jsonl
 
 
@@ -34,14 +41,20 @@ def _kept(line: str, stage: str, step: int) -> bool:
 
 
 class MetricLog:
-  """Per-step scalars to `<workdir>/metrics.jsonl` and TensorBoard event files."""
+  """Per-step scalars to `<workdir>/metrics.jsonl` and TensorBoard event files.
+
+  Both are appended in the calling thread, whole or not at all (`storage.append`), and no
+  file is held open between writes: a write that fails (a full disk, a vanished workdir)
+  raises there, as a `storage.StorageError` naming the file, before the step goes on, and no
+  background writer thread can die unnoticed.
+  """
 
   def __init__(self, workdir: str):
     import jax
-    from tensorboardX import SummaryWriter
     self.path = os.path.join(workdir, "metrics.jsonl")
+    self._tb_dir = os.path.join(workdir, "tensorboard")
     self.writes = jax.process_index() == 0
-    self._tb = SummaryWriter(os.path.join(workdir, "tensorboard")) if self.writes else None
+    self._events = None  # this process's event file, made at the first write
 
   def drop_after(self, stage: str, step: int):
     """Removes `stage`'s rows with a step after `step` (the file is replaced atomically)."""
@@ -52,10 +65,8 @@ class MetricLog:
     keep = [line.rstrip("\n") + "\n" for line in lines if _kept(line, stage, step)]
     if keep == lines:
       return
-    tmp = f"{self.path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
+    with storage.replaced(self.path) as f:
       f.writelines(keep)
-    os.replace(tmp, self.path)
 
   def rows(self, stage: str) -> list[dict]:
     """`stage_rows` of this log."""
@@ -66,10 +77,25 @@ class MetricLog:
       return
     row = {"stage": stage, "step": int(step),
            **{k: float(np.asarray(v)) for k, v in metrics.items()}}
-    with open(self.path, "a") as f:
-      f.write(json.dumps(row) + "\n")
-    for k, v in row.items():
-      # NaN marks a metric undefined at this step (an AUC with one class empty).
-      if k not in ("stage", "step") and np.isfinite(v):
-        self._tb.add_scalar(f"{stage}/{k}", v, step)
-    self._tb.flush()
+    storage.append(self.path, (json.dumps(row) + "\n").encode())
+    # NaN marks a metric undefined at this step (an AUC with one class empty).
+    values = [value for k, v in row.items() if k not in ("stage", "step") and np.isfinite(v)
+              for value in summary.scalar(f"{stage}/{k}", v).value]
+    event = event_pb2.Event(wall_time=time.time(), step=int(step),
+                            summary=summary_pb2.Summary(value=values))
+    if self._events is None:
+      with storage.writing(self._tb_dir):
+        os.makedirs(self._tb_dir, exist_ok=True)
+      self._events = os.path.join(self._tb_dir, f"events.out.tfevents.{int(time.time())}."
+                                  f"{socket.gethostname()}.{os.getpid()}")
+      storage.append(self._events, _record(event_pb2.Event(
+          wall_time=time.time(), file_version="brain.Event:2").SerializeToString()))
+    storage.append(self._events, _record(event.SerializeToString()))
+
+
+def _record(data: bytes) -> bytes:
+  """`data` as one TFRecord (length, its masked CRC-32C, data, its masked CRC-32C): the
+  format of TensorBoard's event files."""
+  header = struct.pack("<Q", len(data))
+  return (header + struct.pack("<I", masked_crc32c(header)) + data
+          + struct.pack("<I", masked_crc32c(data)))

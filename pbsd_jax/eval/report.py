@@ -26,6 +26,7 @@ import numpy as np
 
 from pbsd_jax.agent import gold_chain
 from pbsd_jax.agent.rollout import Rollout
+from pbsd_jax.data import storage
 from pbsd_jax.data.jsonl import iter_jsonl
 from pbsd_jax.rl import algorithms
 from pbsd_jax.rl.algorithms import AdvantageInputs
@@ -95,7 +96,8 @@ def plot_metrics(metrics_jsonl_path: str, out_dir: str,
       ax.legend()
     fig.tight_layout()
     path = os.path.join(out_dir, plot_file_name(key))
-    fig.savefig(path, dpi=100)
+    with storage.replaced(path, "wb") as f:
+      fig.savefig(f, format="png", dpi=100)
     plt.close(fig)
     paths.append(path)
   return paths
@@ -235,8 +237,7 @@ def credit_html(trajectories: Sequence[TrajectoryCredit], decode: Callable[[Sequ
                 path: str, title: str = "PBSD turn-level credit") -> str:
   """Writes `credit_page(trajectories, decode, title)` to `path` (its directory is created if
   missing) and returns `path`."""
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  with open(path, "w", encoding="utf-8") as f:
+  with storage.replaced(path, encoding="utf-8") as f:
     f.write(credit_page(trajectories, decode, title))
   return path
 

@@ -17,6 +17,7 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from pbsd_jax.data import storage
 from pbsd_jax.eval.metric_log import stage_rows
 
 
@@ -153,8 +154,8 @@ def plot_panels(panels: Mapping[str, Mapping[str, tuple[np.ndarray, np.ndarray]]
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
   fig.tight_layout()
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  fig.savefig(path, dpi=80)
+  with storage.replaced(path, "wb") as f:
+    fig.savefig(f, format="png", dpi=80)
   plt.close(fig)
   return path
 

@@ -20,6 +20,11 @@ process killed mid-save leaves only the temporary directory, which every reader 
 the next `Checkpointer` on the workdir deletes), so a resume falls back to the last finished
 step.
 
+Storage faults: a save that fails for a full disk, a read-only or vanished directory -- in
+`save`, or in the background thread of an asynchronous save, reported by the next `save` or
+`wait` -- raises `storage.StorageError`, one line naming the directory and the state's size;
+the step it was writing stays a temporary directory, never taken for a checkpoint.
+
 Preemption: `PreemptionGuard` turns SIGTERM into a flag that the training loop polls at step
 boundaries, where it force-saves and exits -- never saving from inside a signal handler while a
 step runs.
@@ -27,6 +32,7 @@ step runs.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
@@ -40,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
+from pbsd_jax.data import storage
 from pbsd_jax.rl.train_state import TrainState
 
 
@@ -152,6 +159,7 @@ class Checkpointer:
     check_options(save_interval_steps, max_to_keep)
     self.directory = os.path.abspath(directory)
     self.fingerprint = fingerprint
+    self._needed = None  # the bytes of the last state saved, for a full disk's message
     options = ocp.CheckpointManagerOptions(
         save_interval_steps=save_interval_steps, max_to_keep=max_to_keep,
         enable_async_checkpointing=async_save, cleanup_tmp_directories=True, create=True)
@@ -172,18 +180,30 @@ class Checkpointer:
     Returns:
       Whether a checkpoint was started: False off the interval, and for a step that is
       already saved (or being saved) -- a step is never rewritten.
+
+    Raises:
+      storage.StorageError: this save, or an earlier asynchronous one, failed for a fault of
+        the storage.
     """
     step = int(jax.device_get(state.step)) if step is None else int(step)
-    if step in self._manager.all_steps() or not (force or self._manager.should_save(step)):
-      return False
-    tree = state.replace(rng=_key_data(state.rng))
-    meta = {"rng_impl": str(jax.random.key_impl(state.rng))}
-    sums = {"fingerprint": self.fingerprint, "arrays": checksums(tree)}
-    args = ocp.args.Composite(state=ocp.args.StandardSave(tree),
-                              data_state=ocp.args.JsonSave(dict(data_state or {})),
-                              meta=ocp.args.JsonSave(meta),
-                              checksums=ocp.args.JsonSave(sums))
-    return self._manager.save(step, args=args, force=force)
+    self._needed = sum(x.nbytes for x in jax.tree.leaves((state.params, state.opt_state)))
+    with self._writing():
+      self._manager.check_for_errors()  # a background save that failed since the last call
+      if step in self._manager.all_steps() or not (force or self._manager.should_save(step)):
+        return False
+      tree = state.replace(rng=_key_data(state.rng))
+      meta = {"rng_impl": str(jax.random.key_impl(state.rng))}
+      sums = {"fingerprint": self.fingerprint, "arrays": checksums(tree)}
+      args = ocp.args.Composite(state=ocp.args.StandardSave(tree),
+                                data_state=ocp.args.JsonSave(dict(data_state or {})),
+                                meta=ocp.args.JsonSave(meta),
+                                checksums=ocp.args.JsonSave(sums))
+      return self._manager.save(step, args=args, force=force)
+
+  def _writing(self):
+    """`storage.writing` of this directory: a failed write, here or in a background save,
+    is one line naming the directory and the state's size."""
+    return storage.writing(self.directory, self._needed)
 
   def restore(self, target: TrainState, step: int | None = None, *,
               check_fingerprint: bool = True) -> tuple[TrainState, dict]:
@@ -289,8 +309,14 @@ class Checkpointer:
     return sorted(self._manager.all_steps())
 
   def wait(self):
-    """Blocks until pending asynchronous saves are finished (renamed into place)."""
-    self._manager.wait_until_finished()
+    """Blocks until pending asynchronous saves are finished (renamed into place).
+
+    Raises:
+      storage.StorageError: a save failed for a fault of the storage (a full disk, ...).
+    """
+    with self._writing():
+      self._manager.wait_until_finished()
+      self._manager.check_for_errors()
 
   def close(self):
     """Waits for pending saves and releases the manager's resources."""
@@ -300,13 +326,20 @@ class Checkpointer:
     await_cleanup = getattr(self._manager, "_maybe_await_cleanup_tmp_directory", None)
     if await_cleanup is not None:
       await_cleanup()
-    self._manager.close()
+    with self._writing():
+      self._manager.close()
 
   def __enter__(self) -> "Checkpointer":
     return self
 
-  def __exit__(self, *exc):
-    self.close()
+  def __exit__(self, exc_type, *exc):
+    if exc_type is None:
+      self.close()
+      return
+    # Leaving on an error: the pending save may fail of the same fault, which must not hide
+    # the error that ends the run; the step it was writing stays a temporary directory.
+    with contextlib.suppress(Exception):
+      self.close()
 
 
 class PreemptionGuard:

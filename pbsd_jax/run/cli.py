@@ -8,20 +8,29 @@ exist, or an override of a field the config does not have, ends the script with 
 (`jax.distributed.initialize`) before anything touches a device: with `--coordinator_address`,
 `--num_processes` and `--process_id`, or with nothing on a TPU pod or in a SLURM job of
 several tasks, whose environment JAX reads itself.
+
+`run` also ends a script in one line when the storage it writes to fails (a full disk, a
+read-only or vanished directory), with the tracebacks in a file (`--verbose`: on the terminal).
 """
 
 from __future__ import annotations
 
 import difflib
 import importlib.util
+import logging
 import os
 import re
 import sys
+import tempfile
+import traceback
 from typing import Callable
 
 from absl import app
 from absl import flags
+from absl import logging as absl_logging
 from ml_collections import config_flags
+
+from pbsd_jax.data import storage
 
 # The `--config` default of this process's script (set by `define_config`). ml_collections
 # parses a flag default at definition, before any error can be reported in one line, so the
@@ -142,13 +151,81 @@ def parse_flags(argv: list[str]) -> list[str]:
     _usage_error(message)
 
 
+def _storage_line(err: BaseException) -> str | None:
+  """The one line for a storage fault that ended a script: a `storage.StorageError`'s own
+  (it names the path), else a full disk's or read-only file system's anywhere in `err`'s
+  causes, naming the file of the error; None for any other error."""
+  cause = err
+  while cause is not None:
+    if isinstance(cause, storage.StorageError):
+      return cause.strerror
+    cause = cause.__cause__ or cause.__context__
+  code = storage.fault_errno(err)
+  if code is None:
+    return None
+  path = next((e.filename for e in (err, err.__cause__, err.__context__)
+               if isinstance(e, OSError) and e.filename), "the script's output")
+  return storage.message(code, str(path))
+
+
+class _HeldBack(logging.Filter):
+  """Holds back log records of storage faults: orbax's writer threads log each write that
+  failed, with its traceback, before the script's own error says the same in one line."""
+
+  def __init__(self):
+    super().__init__()
+    self.records: list[logging.LogRecord] = []
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    try:
+      text = record.getMessage()
+    except Exception:  # a record whose arguments do not fit its format
+      text = str(record.msg)
+    faults = storage.FAULTS + storage.GONE
+    if all(storage.fault_errno(e, faults) is None
+           for e in (record.exc_info and record.exc_info[1], ValueError(text)) if e):
+      return True
+    self.records.append(record)
+    return False
+
+
+def _write_details(held: _HeldBack) -> str:
+  """Writes the traceback of the error being handled and the held-back records to a file in
+  the temporary directory; returns its path ('' when that cannot be written either)."""
+  path = os.path.join(tempfile.gettempdir(), f"pbsd_jax-{os.getpid()}.log")
+  formatter = logging.Formatter("%(asctime)s %(threadName)s %(message)s")
+  try:
+    with open(path, "w") as f:
+      f.writelines(formatter.format(r) + "\n" for r in held.records)
+      f.write(traceback.format_exc())
+  except OSError:
+    return ""
+  return path
+
+
 def run(main: Callable[[list[str]], None]) -> None:
-  """`absl.app.run(main)` with `parse_flags`; a `run_config.ConfigError` that `main` raises
-  (e.g. from `task.prepare_task`) ends the script with its one line."""
+  """`absl.app.run(main)` with `parse_flags`, ending the script in one line for:
+  - a `run_config.ConfigError` that `main` raises (e.g. from `task.prepare_task`);
+  - a fault of the storage it writes to (a full disk, a read-only or vanished directory):
+    the path, the bytes needed where known, and what to do. The tracebacks (the script's and
+    those orbax's writer threads log) go to a file the line names, or with `--verbose` to
+    the terminal."""
+  verbose = flags.DEFINE_bool("verbose", False, "Print the tracebacks of a storage fault "
+                              "(a full disk, ...) instead of writing them to a file.")
+
   def guarded(argv):
+    held = _HeldBack()
+    if not verbose.value:
+      absl_logging.get_absl_handler().addFilter(held)
     try:
       return main(argv)
-    except ValueError as err:
+    except Exception as err:
+      if (line := _storage_line(err)) is not None:
+        if verbose.value:
+          traceback.print_exc()
+        elif details := _write_details(held):
+          line += f" (traceback: {details}; --verbose prints it)"
+        raise SystemExit(f"error: {line}") from None
       from pbsd_jax.run.run_config import ConfigError  # imports JAX: only once main has run
       if isinstance(err, ConfigError):
         raise SystemExit(f"FATAL config error: {err}") from None

@@ -23,6 +23,7 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
+from pbsd_jax.data import storage
 from pbsd_jax.models import ModelConfig
 
 MODEL_CONFIG_FILE = "model_config.json"
@@ -124,9 +125,8 @@ def save_params(directory: str, model: ModelConfig, params: Any) -> None:
 
 def save_model_config(directory: str, model: ModelConfig) -> str:
   """Writes `model` as `directory/model_config.json`; returns the path."""
-  os.makedirs(directory, exist_ok=True)
   path = os.path.join(directory, MODEL_CONFIG_FILE)
-  with open(path, "w") as f:
+  with storage.replaced(path) as f:
     json.dump(dataclasses.asdict(model), f, indent=2)
   return path
 

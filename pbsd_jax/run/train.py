@@ -15,7 +15,10 @@ Faults stay visible: each RL step logs its `searches` and `failed_searches`, and
 retriever that counts its calls (`HttpRetriever.metrics`) the step's `retrieval/calls`,
 `retrieval/failed_calls`, `retrieval/retries` and `retrieval/latency_s`; the progress bar
 shows the run's fault totals once non-zero. A run whose every update was skipped as
-non-finite for `rl.max_skipped_steps` steps in a row stops with one line.
+non-finite for `rl.max_skipped_steps` steps in a row stops with one line. So does a fault of
+the storage, within the step it happens in: every write raises `storage.StorageError`
+(checkpoints, metrics, rollout files), and before each step's writes `check_claimed` stops a
+run whose workdir was deleted or unmounted.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from jax.sharding import Mesh
 
 from pbsd_jax.agent import privileged
 from pbsd_jax.agent.rollout import Agent, Rollout
+from pbsd_jax.data import storage
 from pbsd_jax.eval.metric_log import MetricLog
 from pbsd_jax.generate.sampling import Sampler
 from pbsd_jax.models import ModelConfig, init_params, param_shardings
@@ -116,6 +120,7 @@ def sft_stage(spec: RunSpec, task: Task, workdir: str, log: MetricLog, mesh: Mes
         batch = sharding.shard_process_local_batch(
             _sft_rows(sequences, rows[step], teacher_rows[step]), mesh, sft.batch_size)
         state, metrics = step_fn(state, *batch)
+        workdir_lib.check_claimed()
         log.write("sft", step + 1, metrics)
         ckpt.save(state, {"stage": "sft", "step": step + 1}, force=step + 1 == steps)
         _log_validation(spec, task, state.params, log, step + 1, "sft")
@@ -265,14 +270,15 @@ def rl_step_fn(agent: Agent, model: ModelConfig, tx: optax.GradientTransformatio
 
 def save_rollout(path: str, rollout: Rollout) -> None:
   """Writes a rollout's arrays (`Rollout` fields and its `mask`) to an `.npz` file: exactly
-  the tokens the update trained on, with `action_mask` marking the trained-on ones."""
-  os.makedirs(os.path.dirname(path), exist_ok=True)
+  the tokens the update trained on, with `action_mask` marking the trained-on ones. The file
+  appears whole or not at all (`storage.replaced`)."""
   fields = {f: getattr(rollout, f) for f in ("tokens", "action_mask", "turn_ids", "num_turns",
                                              "length", "prompt_length", "finished",
                                              "truncated", "group_ids", "sample_logp", "reward",
                                              "searches", "search_failures")}
-  np.savez(path, mask=np.asarray(rollout.mask), prompt_width=rollout.prompt_width,
-           **{k: np.asarray(v) for k, v in fields.items()})
+  with storage.replaced(path, "wb") as f:
+    np.savez(f, mask=np.asarray(rollout.mask), prompt_width=rollout.prompt_width,
+             **{k: np.asarray(v) for k, v in fields.items()})
 
 
 def retrieval_metrics(before: dict, after: dict) -> dict:
@@ -370,6 +376,7 @@ def rl_stage(spec: RunSpec, task: Task, params: Any, workdir: str, log: MetricLo
                                           [r["golden_answers"] for r in records])
       if counters:
         metrics = {**metrics, **retrieval_metrics(before, counters())}
+      workdir_lib.check_claimed()
       log.write("rl", step + 1, metrics)
       if rl.save_rollouts and (step + 1) % rl.save_rollouts == 0:
         save_rollout(os.path.join(workdir, "rollouts", f"rl_{step + 1}.npz"), rollout)

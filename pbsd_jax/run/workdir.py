@@ -9,17 +9,23 @@ it is evaluated and logged, where the retriever is, the mesh it runs on (a check
 restores onto any mesh) or how the layers are computed (rematerialisation, the layer scan's
 unroll, the attention kernel), never what the checkpoints hold.
 
+A claimed workdir that vanishes mid-run (deleted by another process, unmounted) is caught by
+`check_claimed`, which the training loops call before each step's writes.
+
 `fingerprint` is a hash of the configuration without those fields; the checkpoints record it
 so that a step saved by another configuration is not restored as this run's.
 """
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
 import os
 from typing import Any
+
+from pbsd_jax.data import storage
 
 # Fields (or whole sections) that may change when a run resumes.
 RESUMABLE = ("sft.steps", "rl.steps", "rl.save_rollouts", "eval", "checkpoint.save_interval_steps",
@@ -29,6 +35,7 @@ RESUMABLE = ("sft.steps", "rl.steps", "rl.save_rollouts", "eval", "checkpoint.sa
 CONFIG_FILE = "run_config.json"
 LOCK_FILE = ".lock"
 _held: list = []  # the locks `claim_for_script` keeps for the life of the process
+_claimed: dict[str, tuple[int, int]] = {}  # claimed workdir -> (device, inode) when claimed
 
 
 class WorkdirError(RuntimeError):
@@ -68,19 +75,23 @@ def differing_fields(recorded: dict, config: dict) -> list[str]:
 
 
 def _lock(workdir: str):
-  handle = open(os.path.join(workdir, LOCK_FILE), "a+")
+  """The lock file, opened and locked; it is held open for reading only, so that it does not
+  keep the file system busy (a read-only remount under a live run must take effect)."""
+  path = os.path.join(workdir, LOCK_FILE)
+  handle = os.fdopen(os.open(path, os.O_RDONLY | os.O_CREAT, 0o644))
   try:
     fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
   except BlockingIOError:
-    handle.seek(0)
     holder = handle.read().strip() or "unknown"
     handle.close()
     raise WorkdirError(f"workdir {workdir} is in use by another process (pid {holder})"
                        ) from None
-  handle.seek(0)
-  handle.truncate()
-  handle.write(str(os.getpid()))
-  handle.flush()
+  try:
+    with open(path, "w") as f:
+      f.write(str(os.getpid()))
+  except OSError:
+    handle.close()
+    raise
   return handle
 
 
@@ -101,9 +112,13 @@ def claim(workdir: str, config, *, force: bool = False, lock: bool = True):
   Raises:
     WorkdirError: another live process holds the lock, or the recorded configuration differs
       in non-resumable fields and `force` is not set.
+    storage.StorageError: the workdir cannot be written (a read-only file system, no
+      permission, a full disk), before anything else is read or written.
   """
-  os.makedirs(workdir, exist_ok=True)
-  handle = _lock(workdir) if lock else None
+  with storage.writing(os.path.abspath(workdir), faults=storage.FAULTS):
+    os.makedirs(workdir, exist_ok=True)
+    handle = _lock(workdir) if lock else None
+  _claimed[os.path.abspath(workdir)] = _identity(workdir)
   path = os.path.join(workdir, CONFIG_FILE)
   current = as_dict(config)
   if os.path.exists(path):
@@ -119,11 +134,27 @@ def claim(workdir: str, config, *, force: bool = False, lock: bool = True):
       return handle
   if not lock:
     return None
-  tmp = f"{path}.tmp-{os.getpid()}"
-  with open(tmp, "w") as f:
+  with storage.replaced(path) as f:
     json.dump(current, f, indent=1, sort_keys=True)
-  os.replace(tmp, path)
   return handle
+
+
+def _identity(workdir: str) -> tuple[int, int]:
+  stat = os.stat(workdir)
+  return stat.st_dev, stat.st_ino
+
+
+def check_claimed() -> None:
+  """Raises `storage.StorageError` when a workdir this process `claim`ed is gone -- deleted,
+  or unmounted so that its path names another directory or nothing -- so that a run stops
+  instead of writing its next step into a directory that is no longer its own."""
+  for path, identity in _claimed.items():
+    try:
+      same = _identity(path) == identity
+    except OSError:
+      same = False
+    if not same:
+      raise storage.StorageError(errno.ENOENT, storage.message(errno.ENOENT, path))
 
 
 def claim_for_script(workdir: str, config, *, force: bool = False) -> None:

@@ -17,6 +17,7 @@ import os
 from typing import TYPE_CHECKING, Sequence
 
 from pbsd_jax.agent.env.retriever import Document, check_k
+from pbsd_jax.data import storage
 from pbsd_jax.data.jsonl import iter_jsonl
 
 if TYPE_CHECKING:
@@ -99,14 +100,15 @@ class HostBM25Retriever:
     return cls.from_texts(contents, ids, k1=k1, b=b, stopwords=stopwords)
 
   def save(self, directory: str) -> None:
-    """Writes the index, the documents and the tokenizer settings to `directory`."""
-    os.makedirs(directory, exist_ok=True)
-    self.bm25.save(directory, show_progress=False)
-    with open(os.path.join(directory, _DOCUMENTS), "w", encoding="utf-8") as f:
-      for doc_id, text in zip(self.ids, self.contents):
-        f.write(json.dumps({"id": doc_id, "contents": text}, ensure_ascii=False) + "\n")
-    with open(os.path.join(directory, _CONFIG), "w", encoding="utf-8") as f:
-      json.dump({"stopwords": self.stopwords, "num_docs": len(self.ids)}, f)
+    """Writes the index, the documents and the tokenizer settings to `directory`, which
+    appears (or replaces an older index) only once complete (`storage.replaced_directory`)."""
+    with storage.replaced_directory(directory) as tmp:
+      self.bm25.save(tmp, show_progress=False)
+      with open(os.path.join(tmp, _DOCUMENTS), "w", encoding="utf-8") as f:
+        for doc_id, text in zip(self.ids, self.contents):
+          f.write(json.dumps({"id": doc_id, "contents": text}, ensure_ascii=False) + "\n")
+      with open(os.path.join(tmp, _CONFIG), "w", encoding="utf-8") as f:
+        json.dump({"stopwords": self.stopwords, "num_docs": len(self.ids)}, f)
 
   @classmethod
   def load(cls, directory: str) -> "HostBM25Retriever":

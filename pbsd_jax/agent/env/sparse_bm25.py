@@ -33,6 +33,7 @@ import numpy as np
 
 from pbsd_jax.agent.env.bm25 import bm25_postings, check_documents
 from pbsd_jax.agent.env.retriever import DeviceIndex
+from pbsd_jax.data import storage
 
 Array = jax.Array
 
@@ -205,10 +206,10 @@ class SparseBM25Index(DeviceIndex):
     return jnp.where(at < end[..., None], tokens, -1), end - start
 
   def save(self, path: str) -> None:
-    """Writes the index to one `.npz` file."""
-    np.savez(path, docs_per_shard=self.docs_per_shard, doc_width=self.doc_width,
-             chunk=self.chunk,
-             **{f: np.asarray(getattr(self, f)) for f in _FIELDS})
+    """Writes the index to one `.npz` file, which appears only once complete."""
+    with storage.replaced(path, "wb") as out:
+      np.savez(out, docs_per_shard=self.docs_per_shard, doc_width=self.doc_width,
+               chunk=self.chunk, **{f: np.asarray(getattr(self, f)) for f in _FIELDS})
 
   @classmethod
   def load(cls, path: str) -> "SparseBM25Index":
