@@ -97,8 +97,12 @@ def assert_resumed_bitwise(workdir, opsd_run, record_property):
 # (stage whose checkpoint fails, asynchronous saves, bytes left free, extra flags). With 64 KB
 # left the step's metrics row and events fit and its checkpoint (~0.9 MB) does not; with none
 # left (and no checkpoint until the last step) the step's rollout file fails, or its metrics.
+# The re-run goes on in place once space is freed, or (`copy`) from a copy of the workdir on
+# another disk.
 FULL = {
     "sft-checkpoint": ("ckpt_sft/1", False, 64 << 10, ()),
+    "sft-checkpoint-async-copy": ("ckpt_sft/2", True, 64 << 10, ()),
+    "rl-checkpoint-copy": ("ckpt_rl/1", False, 64 << 10, ()),
     "rl-checkpoint-async": ("ckpt_rl/1", True, 64 << 10, ()),
     "rl-rollouts": ("ckpt_rl/1", False, 0, ("--config.rl.save_rollouts=1",
                                             "--config.checkpoint.save_interval_steps=100")),
@@ -129,8 +133,10 @@ def test_a_full_disk_stops_the_run_in_one_line_and_the_rerun_resumes_bitwise_equ
     details = line.split("(traceback: ")[1].split(";")[0]
     assert "No space left on device" in open(details).read()
 
-    os.remove(filler)  # space is freed: the same command resumes
-    _train(workdir, data_dir, *flags)
+    os.remove(filler)
+    if case.endswith("copy"):
+      workdir = shutil.copytree(workdir, tmp_path / "copy")
+    _train(workdir, data_dir, *flags)  # the same command resumes
     assert_resumed_bitwise(workdir, opsd_run, record_property)
     if "rollouts" in case:
       for step in (1, 2, 3):
