@@ -13,6 +13,7 @@ import ast
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -39,6 +40,9 @@ RETRIEVERS = {
     "bm25s": ["--config.env.retriever=bm25s"],
     "http": ["--config.env.retriever=http", "--config.env.url={url}"],
 }
+# The runs are made once, for every test here (conftest: --dist loadgroup).
+pytestmark = pytest.mark.xdist_group("retrievers")
+
 # Search the same token BM25 (the corpus rendered and encoded as observations are).
 SAME_INDEX = ("ingraph_dense", "ingraph_sparse", "ingraph_index_dir", "host")
 QUESTIONS = 4
@@ -67,14 +71,21 @@ def runs(kg, tmp_path_factory):
   assert code == 0, out[-2000:]
   questions = str(base / "questions.jsonl")
   jsonl.write_jsonl(questions, kg.records("rl_validation")[:QUESTIONS])
-  results = {}
+  results, sft = {}, None
   with RetrievalServer(kg.retriever) as server:
     for name, overrides in RETRIEVERS.items():
       workdir = str(base / name)
       config = [f"--config={os.path.join(ROOT, 'configs', 'grpo.py')}",
                 f"--config.data.dir={data_dir}", *SMALL,
                 *(o.format(index_dir=index_dir, url=server.url) for o in overrides)]
-      code, out = _script("train.py", *config, f"--workdir={workdir}", devices=2)
+      # SFT reads the oracle trajectories, never the retriever: it runs once, and the other
+      # runs resume its checkpoint (saved under another env, hence --force_resume).
+      resume = []
+      if sft is not None:
+        shutil.copytree(sft, os.path.join(workdir, "ckpt_sft"))
+        resume = ["--force_resume"]
+      code, out = _script("train.py", *config, f"--workdir={workdir}", *resume, devices=2)
+      sft = sft or os.path.join(workdir, "ckpt_sft")
       assert code == 0, f"{name}: {out[-3000:]}"
       with open(os.path.join(workdir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f]

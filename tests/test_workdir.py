@@ -160,3 +160,19 @@ def test_tensorboard_reads_every_finite_metric_of_every_step(tmp_path):
          for v in e.summary.value]
   assert got == [(1, "rl/loss", 0.25), (2, "rl/loss", 0.125), (2, "rl/auc", 0.75),
                  (2, "eval/accuracy", 0.5)]
+
+
+def test_a_claimed_workdir_that_is_deleted_or_replaced_is_caught_and_no_other(tmp_path):
+  from pbsd_jax.data import storage
+  a, b = str(tmp_path / "a"), str(tmp_path / "b")
+  handles = [workdir_lib.claim(a, {"x": 1}), workdir_lib.claim(b, {"x": 1})]
+  workdir_lib.check_claimed(os.path.join(a, "ckpt_rl"))  # both there: nothing to say
+  os.rename(b, b + "-moved")
+  os.makedirs(b)  # another directory at the same path, as after an unmount
+  workdir_lib.check_claimed(a)
+  workdir_lib.check_claimed(str(tmp_path / "unclaimed"))
+  for path in (b, os.path.join(b, "run")):
+    with pytest.raises(storage.StorageError, match=f"^.*{b} no longer exists"):
+      workdir_lib.check_claimed(path)
+  for handle in handles:
+    handle.close()

@@ -120,7 +120,7 @@ def sft_stage(spec: RunSpec, task: Task, workdir: str, log: MetricLog, mesh: Mes
         batch = sharding.shard_process_local_batch(
             _sft_rows(sequences, rows[step], teacher_rows[step]), mesh, sft.batch_size)
         state, metrics = step_fn(state, *batch)
-        workdir_lib.check_claimed()
+        workdir_lib.check_claimed(workdir)
         log.write("sft", step + 1, metrics)
         ckpt.save(state, {"stage": "sft", "step": step + 1}, force=step + 1 == steps)
         _log_validation(spec, task, state.params, log, step + 1, "sft")
@@ -376,7 +376,7 @@ def rl_stage(spec: RunSpec, task: Task, params: Any, workdir: str, log: MetricLo
                                           [r["golden_answers"] for r in records])
       if counters:
         metrics = {**metrics, **retrieval_metrics(before, counters())}
-      workdir_lib.check_claimed()
+      workdir_lib.check_claimed(workdir)
       log.write("rl", step + 1, metrics)
       if rl.save_rollouts and (step + 1) % rl.save_rollouts == 0:
         save_rollout(os.path.join(workdir, "rollouts", f"rl_{step + 1}.npz"), rollout)

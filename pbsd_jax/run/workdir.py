@@ -144,17 +144,21 @@ def _identity(workdir: str) -> tuple[int, int]:
   return stat.st_dev, stat.st_ino
 
 
-def check_claimed() -> None:
-  """Raises `storage.StorageError` when a workdir this process `claim`ed is gone -- deleted,
-  or unmounted so that its path names another directory or nothing -- so that a run stops
-  instead of writing its next step into a directory that is no longer its own."""
-  for path, identity in _claimed.items():
+def check_claimed(path: str) -> None:
+  """Raises `storage.StorageError` when a workdir this process `claim`ed that holds `path`
+  (a stage's directory: the workdir or one inside it) is gone -- deleted, or unmounted so
+  that its path names another directory or nothing -- so that a run stops instead of writing
+  its next step into a directory that is no longer its own."""
+  path = os.path.abspath(path)
+  for root, identity in _claimed.items():
+    if path != root and not path.startswith(root + os.sep):
+      continue
     try:
-      same = _identity(path) == identity
+      same = _identity(root) == identity
     except OSError:
       same = False
     if not same:
-      raise storage.StorageError(errno.ENOENT, storage.message(errno.ENOENT, path))
+      raise storage.StorageError(errno.ENOENT, storage.message(errno.ENOENT, root))
 
 
 def claim_for_script(workdir: str, config, *, force: bool = False) -> None:
