@@ -28,7 +28,6 @@ setuptools.setup(
         "bm25s>=0.2",
         "pyarrow>=14",  # parquet question files (pbsd_jax.data.records)
         "matplotlib>=3.7",  # report plots (pbsd_jax.eval.report)
-        "tensorboardX>=2.6",  # TensorBoard event files without importing TensorFlow
         "tqdm>=4.60",
         "safetensors>=0.8",  # HF checkpoints (pbsd_jax.models.hf.safetensors_io; bf16 checked on 0.8)
     ],

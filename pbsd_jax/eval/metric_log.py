@@ -17,9 +17,6 @@ import struct
 import time
 
 import numpy as np
-from tensorboardX import summary
-from tensorboardX.proto import event_pb2, summary_pb2
-from tensorboardX.record_writer import masked_crc32c
 
 from pbsd_jax.data import storage
 from pbsd_jax.data.jsonl import iter_jsonl
@@ -79,23 +76,71 @@ class MetricLog:
            **{k: float(np.asarray(v)) for k, v in metrics.items()}}
     storage.append(self.path, (json.dumps(row) + "\n").encode())
     # NaN marks a metric undefined at this step (an AUC with one class empty).
-    values = [value for k, v in row.items() if k not in ("stage", "step") and np.isfinite(v)
-              for value in summary.scalar(f"{stage}/{k}", v).value]
-    event = event_pb2.Event(wall_time=time.time(), step=int(step),
-                            summary=summary_pb2.Summary(value=values))
+    scalars = {f"{stage}/{k}": v for k, v in row.items()
+               if k not in ("stage", "step") and np.isfinite(v)}
     if self._events is None:
       with storage.writing(self._tb_dir):
         os.makedirs(self._tb_dir, exist_ok=True)
       self._events = os.path.join(self._tb_dir, f"events.out.tfevents.{int(time.time())}."
                                   f"{socket.gethostname()}.{os.getpid()}")
-      storage.append(self._events, _record(event_pb2.Event(
-          wall_time=time.time(), file_version="brain.Event:2").SerializeToString()))
-    storage.append(self._events, _record(event.SerializeToString()))
+      storage.append(self._events, _record(_event(file_version="brain.Event:2")))
+    storage.append(self._events, _record(_event(step=int(step), scalars=scalars)))
+
+
+# TensorBoard's event file, written without TensorBoard (or tensorboardX, which imports
+# torch): a TFRecord file of `Event` protocol buffers, each encoded here by hand.
+
+def _crc32c_table() -> list[int]:
+  table = []
+  for byte in range(256):
+    crc = byte
+    for _ in range(8):
+      crc = (crc >> 1) ^ (0x82F63B78 if crc & 1 else 0)
+    table.append(crc)
+  return table
+
+
+_CRC32C = _crc32c_table()
+
+
+def _masked_crc32c(data: bytes) -> int:
+  """CRC-32C (Castagnoli) of `data`, masked as TFRecord files store it."""
+  crc = 0xFFFFFFFF
+  for byte in data:
+    crc = _CRC32C[(crc ^ byte) & 0xFF] ^ (crc >> 8)
+  crc ^= 0xFFFFFFFF
+  return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
 
 
 def _record(data: bytes) -> bytes:
-  """`data` as one TFRecord (length, its masked CRC-32C, data, its masked CRC-32C): the
-  format of TensorBoard's event files."""
+  """`data` as one TFRecord: its length, the length's masked CRC, data, data's masked CRC."""
   header = struct.pack("<Q", len(data))
-  return (header + struct.pack("<I", masked_crc32c(header)) + data
-          + struct.pack("<I", masked_crc32c(data)))
+  return (header + struct.pack("<I", _masked_crc32c(header)) + data
+          + struct.pack("<I", _masked_crc32c(data)))
+
+
+def _varint(n: int) -> bytes:
+  out = bytearray()
+  while True:
+    out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+    n >>= 7
+    if not n:
+      return bytes(out)
+
+
+def _message(number: int, payload: bytes) -> bytes:
+  """A length-delimited protobuf field (a string or a nested message)."""
+  return _varint(number << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _event(step: int = 0, scalars: dict | None = None, file_version: str = "") -> bytes:
+  """An `Event` (wall_time = 1, step = 2, file_version = 3, summary = 5) whose `Summary`
+  holds one `Value` (tag = 1, simple_value = 2) per scalar."""
+  event = b"\x09" + struct.pack("<d", time.time()) + b"\x10" + _varint(step)
+  if file_version:
+    event += _message(3, file_version.encode())
+  if scalars:
+    values = b"".join(_message(1, _message(1, tag.encode()) + b"\x15" + struct.pack("<f", v))
+                      for tag, v in scalars.items())
+    event += _message(5, values)
+  return event
