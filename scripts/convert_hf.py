@@ -133,7 +133,7 @@ def main(argv):
     if not _CKPT_DIR.value:
       raise app.UsageError("--direction=export needs --ckpt_dir")
     model = convert_export(_CKPT_DIR.value, _OUT.value, _ARCHITECTURE.value,
-                            _MAX_SHARD_SIZE.value)
+                           _MAX_SHARD_SIZE.value)
   print(f"wrote {_OUT.value}: {model}")
 
 

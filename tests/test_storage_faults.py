@@ -24,6 +24,7 @@ import pytest
 from pbsd_jax.data import storage
 from pbsd_jax.eval.metric_log import MetricLog
 from test_train import OPSD, ROOT, SMALL, _checkpoint, _metrics, _train
+from test_workdir import _assert_trees_equal
 
 MB = 1 << 20
 
@@ -81,10 +82,8 @@ def one_line(out, returncode):
 
 
 def assert_resumed_bitwise(workdir, opsd_run, record_property):
-  want, got = _checkpoint(opsd_run), _checkpoint(workdir)
-  assert jax.tree.structure(got) == jax.tree.structure(want)
-  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-    np.testing.assert_array_equal(a, b)
+  want = _checkpoint(opsd_run)
+  _assert_trees_equal(_checkpoint(workdir), want)
   assert _metrics(workdir) == _metrics(opsd_run)  # each step once, with the same values
   leftovers = [os.path.join(d, n) for d, _, names in os.walk(workdir) for n in names + [d]
                if "tmp" in os.path.basename(n)]

@@ -162,7 +162,7 @@ def test_tensorboard_reads_every_finite_metric_of_every_step(tmp_path):
                  (2, "eval/accuracy", 0.5)]
 
 
-def test_a_claimed_workdir_that_is_deleted_or_replaced_is_caught_and_no_other(tmp_path):
+def test_a_claimed_workdir_replaced_at_its_path_is_caught_and_no_other(tmp_path):
   from pbsd_jax.data import storage
   a, b = str(tmp_path / "a"), str(tmp_path / "b")
   handles = [workdir_lib.claim(a, {"x": 1}), workdir_lib.claim(b, {"x": 1})]

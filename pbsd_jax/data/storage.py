@@ -39,21 +39,27 @@ class StorageError(OSError):
   """A write failed for a reason of the storage; `str` is one line saying what to do."""
 
 
+def causes(err: BaseException | None) -> Iterator[BaseException]:
+  """`err`, then the error it was raised from (or while handling), and so on."""
+  seen = set()
+  while err is not None and id(err) not in seen:
+    seen.add(id(err))
+    yield err
+    err = err.__cause__ or err.__context__
+
+
 def fault_errno(err: BaseException, faults: tuple[int, ...] = FAULTS) -> int | None:
   """The errno of the first storage fault among `err` and its causes (an `OSError`'s errno,
   tensorstore's `os_error_code` in a message, numpy's short write), None when there is
   none."""
-  seen = set()
-  while err is not None and id(err) not in seen:
-    seen.add(id(err))
-    code = getattr(err, "errno", None) if isinstance(err, OSError) else None
-    if code is None and (match := _TENSORSTORE.search(str(err))):
+  for cause in causes(err):
+    code = getattr(cause, "errno", None) if isinstance(cause, OSError) else None
+    if code is None and (match := _TENSORSTORE.search(str(cause))):
       code = int(match.group(1))
-    if code is None and isinstance(err, OSError) and _SHORT_WRITE.match(str(err)):
+    if code is None and isinstance(cause, OSError) and _SHORT_WRITE.match(str(cause)):
       code = errno.ENOSPC
     if code in faults:
       return code
-    err = err.__cause__ or err.__context__
   return None
 
 

@@ -155,15 +155,13 @@ def _storage_line(err: BaseException) -> str | None:
   """The one line for a storage fault that ended a script: a `storage.StorageError`'s own
   (it names the path), else a full disk's or read-only file system's anywhere in `err`'s
   causes, naming the file of the error; None for any other error."""
-  cause = err
-  while cause is not None:
+  for cause in storage.causes(err):
     if isinstance(cause, storage.StorageError):
       return cause.strerror
-    cause = cause.__cause__ or cause.__context__
   code = storage.fault_errno(err)
   if code is None:
     return None
-  path = next((e.filename for e in (err, err.__cause__, err.__context__)
+  path = next((e.filename for e in storage.causes(err)
                if isinstance(e, OSError) and e.filename), "the script's output")
   return storage.message(code, str(path))
 
