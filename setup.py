@@ -36,7 +36,12 @@ setuptools.setup(
         # `xdist_group` tests (tests/conftest.py) would be spread over workers.
         "test": ["pytest>=8,<9", "pytest-xdist>=3", "hypothesis>=6",
                  # colabs/ executed in a real kernel (tests/test_colabs.py)
-                 "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29"],
+                 "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29",
+                 # scripts/aot_compile.py compiled for a TPU topology (tests/test_aot.py)
+                 "jax[tpu]"],
+        # libtpu of the installed jax: the TPU compiler, for TPU hosts and for compiling
+        # ahead of time on any host (scripts/aot_compile.py).
+        "tpu": ["jax[tpu]"],
         # torch is pinned: 2.13.0 is a local CPU wheel on our machines; an open range
         # would pull a multi-GB CUDA build.
         "hf": ["torch==2.13.0", "transformers>=4.51", "jinja2>=3.1.6"],

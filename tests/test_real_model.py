@@ -164,15 +164,16 @@ def _flags(world, workdir, *extra):
           *SMALL, *extra]
 
 
-SMALL = ["--config.model.param_dtype=float32", "--config.model.dtype=float32",
-         "--config.model.remat=False", "--config.data.prompt_template=default",
+# The recipe at test size: its dtypes, remat, optimiser and update plan (mini-batches,
+# micro-batches, a chunked LM head) as shipped, at sizes that split the small batch.
+SMALL = ["--config.data.prompt_template=default",
          "--config.data.prompt_width=112", "--config.data.gold_width=8",
          "--config.env.buffer_size=240", "--config.env.max_turns=3",
          "--config.env.max_action_tokens=32", "--config.env.max_observation_tokens=56",
          "--config.env.max_query_tokens=16", "--config.env.top_k=1",
          "--config.rollout.prompts_per_step=4", "--config.grpo.group_size=4",
-         "--config.rollout.temperature=0.7", "--config.rl.minibatches=1",
-         "--config.rl.micro_batch_size=0", "--config.rl.chunk_size=0",
+         "--config.rollout.temperature=0.7", "--config.rl.micro_batch_size=2",
+         "--config.rl.chunk_size=64",
          "--config.sft.steps=60", "--config.sft.batch_size=8", "--config.sft.lr=1e-2",
          "--config.sft.warmup_steps=5", "--config.sft.teacher_fraction=0.25",
          "--config.optim.lr=1e-4", "--config.optim.warmup_steps=0", "--config.rl.steps=3",

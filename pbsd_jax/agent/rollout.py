@@ -316,8 +316,9 @@ def ingraph_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array,
                   jnp.zeros(kind.shape, bool), doc_ids[:, 0])
     return ep, turn + 1
 
-  ep, _ = jax.lax.while_loop(lambda c: jnp.any(~c[0].done) & (c[1] < env.max_turns), body,
-                             (ep, jnp.int32(0)))
+  with jax.named_scope("turn_loop"):  # its trip count's name (`hlo_cost`)
+    ep, _ = jax.lax.while_loop(lambda c: jnp.any(~c[0].done) & (c[1] < env.max_turns),
+                               body, (ep, jnp.int32(0)))
   reward = ep.reward if env.text_tags else rewards.token_answer_reward(
       ep.decode.tokens, ep.decode.sampled, env.answer_open, env.answer_close, gold,
       env.ignore_ids)

@@ -403,7 +403,8 @@ class Sampler:
       return carry.replace(state=st, result=res, recent=recent, step=carry.step + 1,
                            string_state=string_state)
 
-    end = jax.lax.while_loop(running, body, start)
+    with jax.named_scope("decode_loop"):  # its trip count's name (`hlo_cost`)
+      end = jax.lax.while_loop(running, body, start)
     return end.state, end.result
 
   def generate(self, params, tokens: Array, mask: Array, rng: Array, max_new_tokens: int,

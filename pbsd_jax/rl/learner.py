@@ -195,9 +195,13 @@ def accumulate_gradients(loss_fn: Callable[[Any, Any], tuple[Array, tuple[Array,
 
   first = jax.tree.map(lambda x: x[0], micro_batches)
   (loss0, (_, metrics0)), grads0 = jax.eval_shape(grad_fn, params, first)
-  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), (loss0, grads0, metrics0))
+  # The sums are float32 whatever the parameters' dtype: 16-bit sums of micro-batch
+  # gradients would round each one they add.
+  zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, jnp.promote_types(s.dtype, jnp.float32)),
+                       (loss0, grads0, metrics0))
   (sums, total), _ = jax.lax.scan(body, (zeros, jnp.float32(0.0)), micro_batches)
   loss, grads, metrics = jax.tree.map(lambda x: x / jnp.maximum(total, 1e-12), sums)
+  grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, params)
   return loss, grads, metrics, total
 
 
@@ -529,7 +533,7 @@ def make_rl_step(model: ModelConfig, tx: optax.GradientTransformation, algo: Any
 
 def jit_with_optional_teacher(fn: Callable, in_shardings: tuple | None = None,
                               teacher_shardings: Any = None, out_shardings: Any = None
-                              ) -> Callable:
+                              ) -> "OptionalTeacherStep":
   """`fn(state, a, b, c, teacher_params=None)` jitted with the state donated, as two programs:
   one taking frozen teacher parameters, one without (None has no sharding to give).
 
@@ -541,7 +545,7 @@ def jit_with_optional_teacher(fn: Callable, in_shardings: tuple | None = None,
     out_shardings: the outputs' shardings (with `in_shardings`).
 
   Returns:
-    `step(state, a, b, c, teacher_params=None)`.
+    `OptionalTeacherStep`: `step(state, a, b, c, teacher_params=None)`.
   """
   if in_shardings is None:
     with_teacher = jax.jit(fn, donate_argnums=0)
@@ -552,9 +556,24 @@ def jit_with_optional_teacher(fn: Callable, in_shardings: tuple | None = None,
     without = jax.jit(lambda s, a, b, c: fn(s, a, b, c), in_shardings=in_shardings,
                       out_shardings=out_shardings, donate_argnums=0)
 
-  def step(state, a, b, c, teacher_params=None):
-    if teacher_params is None:
-      return without(state, a, b, c)
-    return with_teacher(state, a, b, c, teacher_params)
+  return OptionalTeacherStep(with_teacher, without)
 
-  return step
+
+@dataclasses.dataclass(frozen=True)
+class OptionalTeacherStep:
+  """A step jitted twice, with frozen teacher parameters and without; called or lowered
+  (`jax.stages.Lowered`, for ahead-of-time compilation) as
+  `step(state, a, b, c, teacher_params=None)`."""
+
+  with_teacher: Callable
+  without: Callable
+
+  def __call__(self, state, a, b, c, teacher_params=None):
+    if teacher_params is None:
+      return self.without(state, a, b, c)
+    return self.with_teacher(state, a, b, c, teacher_params)
+
+  def lower(self, state, a, b, c, teacher_params=None):
+    if teacher_params is None:
+      return self.without.lower(state, a, b, c)
+    return self.with_teacher.lower(state, a, b, c, teacher_params)

@@ -179,9 +179,14 @@ def _check_manifest(spec: RunSpec, path: str) -> None:
           f"was made with {got!r} (make another data.dir, or set the field to match)")
 
 
-def prepare_task(spec: RunSpec, workdir: str) -> Task:
+def prepare_task(spec: RunSpec, workdir: str, mesh: Any = None, connect: bool = True) -> Task:
   """Reads the questions, the vocabulary and the corpus `spec` names and builds the
   tokenizer, the environment and the search.
+
+  `mesh` (default: the run's, `spec.build_mesh()`) is where a sparse device index is split,
+  one shard per device; it is placed there when those devices are this host's (not when they
+  are a TPU topology compiled for ahead of time). `connect=False` leaves a retrieval server
+  unprobed (nothing will query it).
 
   Questions: `config.data.train_files` / `eval_files` / `sft_files` (Search-R1 JSONL or parquet;
   SFT records hold trajectories), else the embedded dataset in `config.data.dir` (made there
@@ -233,15 +238,16 @@ def prepare_task(spec: RunSpec, workdir: str) -> Task:
                             **dataclasses.asdict(spec.env))
   text = (token_text.build(vocab_lib.token_bytes(vocab), (vocab.eos_id, vocab.pad_id))
           if env.text_tags else None)
-  search, index = _search(spec, corpus, vocab, keep_index=not user_data)
+  search, index = _search(spec, corpus, vocab, keep_index=not user_data,
+                          mesh=mesh, connect=connect)
   task = Task(Tokenizer(vocab, text, chat), env, search, index, splits)
   if user_data:
     _check_prompts(task, spec.data)
   return task
 
 
-def _search(spec: RunSpec, corpus: str, vocab: Any, keep_index: bool
-            ) -> tuple[DeviceIndex | Retriever, DeviceIndex | None]:
+def _search(spec: RunSpec, corpus: str, vocab: Any, keep_index: bool, mesh: Any,
+            connect: bool = True) -> tuple[DeviceIndex | Retriever, DeviceIndex | None]:
   """`(search, index)`: what the rollouts search (`config.env.retriever`) and the token BM25
   on the devices, built for the in-graph and host retrievers and, with `keep_index`, for any
   (the embedded task's SFT replays the oracle's searches in-graph).
@@ -261,7 +267,7 @@ def _search(spec: RunSpec, corpus: str, vocab: Any, keep_index: bool
   try:
     if kind in ("ingraph", "host") or keep_index:
       ids, contents = read_corpus(corpus)
-      index = _token_index(spec, ids, contents, vocab)
+      index = _token_index(spec, ids, contents, vocab, mesh)
     if kind == "ingraph":
       return index, index
     if kind == "host":
@@ -271,7 +277,8 @@ def _search(spec: RunSpec, corpus: str, vocab: Any, keep_index: bool
               else HostBM25Retriever.from_jsonl(corpus)), index
     server = HttpRetriever(retrieval.url, timeout_s=retrieval.timeout_s,
                            max_retries=retrieval.max_retries)
-    _probe(server, retrieval.url)
+    if connect:
+      _probe(server, retrieval.url)
     return server, index
   except (FileNotFoundError, ValueError) as err:
     if isinstance(err, run_config.ConfigError):
@@ -280,15 +287,17 @@ def _search(spec: RunSpec, corpus: str, vocab: Any, keep_index: bool
     raise run_config.ConfigError(f"config.{field}: {err}") from None
 
 
-def _token_index(spec: RunSpec, ids: list[str], contents: list[str], vocab: Any
+def _token_index(spec: RunSpec, ids: list[str], contents: list[str], vocab: Any, mesh: Any
                  ) -> DeviceIndex:
   """The in-graph index of the corpus: `config.env.index_dir`'s sparse index
   (`scripts/build_index.py --tokenizer`) for the `ingraph` and `host` retrievers, else built
-  here (`config.env.index`: dense, or sparse with a shard per device). A sparse index is
-  placed shard by shard over every device of the run's mesh."""
+  here (`config.env.index`: dense, or sparse with a shard per device of `mesh`). A sparse
+  index is placed shard by shard over the devices of `mesh` where they are this host's."""
   from pbsd_jax.agent.env.token_retriever import build_index
   from pbsd_jax.data import vocab as vocab_lib
   retrieval = spec.retrieval
+  if mesh is None and (retrieval.index == "sparse" or retrieval.index_dir):
+    mesh = spec.build_mesh()
   saved = os.path.join(retrieval.index_dir, SPARSE_INDEX_FILE)
   if retrieval.index_dir and retrieval.retriever in ("ingraph", "host"):
     index = SparseBM25Index.load(saved)
@@ -298,9 +307,9 @@ def _token_index(spec: RunSpec, ids: list[str], contents: list[str], vocab: Any
   else:
     index = build_index(contents, lambda t: list(vocab.encode(t)), vocab.vocab_size, ids,
                         ignore_ids=vocab_lib.non_term_ids(vocab),
-                        sparse_shards=jax.device_count() if retrieval.index == "sparse" else 0)
-  if isinstance(index, SparseBM25Index):
-    index = index.shard(spec.build_mesh(), sharding.MESH_AXES)
+                        sparse_shards=mesh.size if retrieval.index == "sparse" else 0)
+  if isinstance(index, SparseBM25Index) and set(mesh.devices.flat) <= set(jax.devices()):
+    index = index.shard(mesh, sharding.MESH_AXES)
   return index
 
 

@@ -162,7 +162,8 @@ class SparseBM25Index(DeviceIndex):
       return i + 1, scores
 
     start = (jnp.int32(0), jnp.zeros((q, self.docs_per_shard), jnp.float32))
-    return jax.lax.while_loop(lambda c: c[0] * q < ends[-1], body, start)[1]
+    with jax.named_scope("posting_windows"):  # its trip count's name (`hlo_cost`)
+      return jax.lax.while_loop(lambda c: c[0] * q < ends[-1], body, start)[1]
 
   def scores(self, query_token_ids: Array) -> Array:
     """`f32[Q, N]` BM25 scores (as `BM25Index.scores`; ids outside `[0, V)` are ignored)."""
