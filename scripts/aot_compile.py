@@ -42,13 +42,18 @@ def main(argv):
     devices, chip = aot.topology(_TOPOLOGY.value, _NUM_SLICES.value)
   except ValueError as err:
     raise SystemExit(f"error: {err}") from None
+  from pbsd_jax.data import storage
   from pbsd_jax.run import run_config, task as task_lib
 
   try:
     spec = run_config.validate(_CONFIG.value, num_devices=len(devices))
   except run_config.ConfigError as err:
     raise SystemExit(f"FATAL config error: {err}") from None
-  mesh = spec.build_mesh(devices)
+  try:
+    mesh = spec.build_mesh(devices)
+  except NotImplementedError as err:  # a logical axis the physical torus cannot give
+    raise SystemExit(f"FATAL config error: config.mesh on {_TOPOLOGY.value}: "
+                     f"{str(err).splitlines()[0]}") from None
   task = task_lib.prepare_task(spec, _WORKDIR.value, mesh=mesh, connect=False)
   spec = spec.for_vocabulary(task.vocab.vocab_size)
   run_config.check_param_sharding(spec.model, mesh)
@@ -61,9 +66,12 @@ def main(argv):
     try:
       report = aot.analyse(program, chip)
     except MemoryError as err:
-      print(f"{program.name}: the TPU compiler refuses it: {err}", flush=True)
+      print(f"{program.name}: the TPU compiler refuses it: {err}; the memory model: "
+            f"{storage.size_text(program.estimate['total'])}", flush=True)
+      reports.append({"name": program.name, "refused": str(err),
+                      "estimate": program.estimate, "fields": program.fields})
       refused.append(f"{program.name} does not fit a {chip.kind} chip "
-                     f"({aot.size_text(chip.hbm)}): {err}; fields that change it: "
+                     f"({storage.size_text(chip.hbm)}): {err}; fields that change it: "
                      f"{program.fields}")
       continue
     print(aot.describe(report, chip), flush=True)
@@ -71,7 +79,6 @@ def main(argv):
     if not report.fits:
       refused.append(aot.too_large(report, chip))
   if _JSON.value:
-    from pbsd_jax.data import storage
     with storage.replaced(_JSON.value, "w") as f:
       json.dump({"topology": _TOPOLOGY.value, "num_slices": _NUM_SLICES.value,
                  "chip": chip.kind, "hbm": chip.hbm, "mesh": dict(mesh.shape),

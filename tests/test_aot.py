@@ -60,8 +60,9 @@ def test_no_cpu_kernel_reaches_a_tpu_program(micro):
 
 
 def test_splash_attention_compiles_to_the_mosaic_kernel(tmp_path, kg):
-  # One chip: the kernel is not partitioned over a mesh yet (docs/tpu.md).
-  proc, report = _compile(tmp_path, *MICRO, "--programs=sft_step", "--topology=v5e-1",
+  # Over the mesh of 4 chips: each chip runs the kernel on its rows (a Mosaic kernel cannot
+  # be partitioned by XLA).
+  proc, report = _compile(tmp_path, *MICRO, "--programs=sft_step",
                           "--config.model.attention=splash",
                           f"--config.data.dir={os.path.dirname(kg.paths['spm_model'])}")
   assert proc.returncode == 0, proc.stderr[-3000:]
@@ -82,6 +83,8 @@ def test_loops_count_as_they_run_and_match_xla_once_each(micro):
   named = lambda scope: [n for name, n in rl.items() if re.search(rf"{scope}/while$", name)]
   assert named("turn_loop") == [7]  # env.max_turns
   assert named("decode_loop") == [48]  # env.max_action_tokens
+  # Each decode step's attention reads the cache's blocks: at most all 3 of 640 slots.
+  assert named("decode_blocks") == [3]
   # 256 rows in micro-batches of 32: the gradient scan runs 8 times.
   assert 8 in rl.values()
 

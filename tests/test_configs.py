@@ -165,7 +165,8 @@ def test_batch_must_divide_over_the_data_shards():
     train.validate(config, num_devices=2)
 
 
-@pytest.mark.parametrize("name, billions", [("qwen2.5-0.5b", 0.494), ("qwen3-0.6b", 0.596),
+@pytest.mark.parametrize("name, billions", [("qwen2.5-0.5b", 0.494), ("qwen2.5-3b", 3.09),
+                                            ("qwen3-0.6b", 0.596),
                                             ("qwen3-8b", 8.19), ("llama3-8b", 8.03)])
 def test_model_sizes_have_the_public_checkpoints_parameter_counts(name, billions):
   from pbsd_jax.models import param_shapes

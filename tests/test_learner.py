@@ -378,3 +378,61 @@ def test_distillation_without_teacher_params_is_an_error():
   with pytest.raises(ValueError, match="teacher_params"):
     learner.ppo_update(mw.initial_state(tx), _policy_batch(5)[0], model=mw.make_config(),
                        tx=tx, algo=algorithms.get("opsd", group_size=4))
+
+
+@pytest.mark.parametrize("name", ["pbsd", "gear", "grpo"])
+def test_the_evidence_pass_in_micro_batches_scores_what_the_whole_batch_does(name):
+  """`policy_batch(micro_batch_size=4)` runs the scoring over 4 micro-batches of the 16 rows
+  (`lax.map`, one micro-batch's activations and logits at a time); every score is the
+  whole-batch pass's."""
+  config = mw.make_config()
+  algo = algorithms.get(name, group_size=4)
+  rollout, teacher, teacher_mask = mw.make_rollout(12)
+  params = mw.initial_params()
+  score = jax.jit(lambda micro, params: evidence.policy_batch(
+      params, rollout, teacher, teacher_mask, jnp.int32(0), model=config, algo=algo,
+      max_turns=mw.MAX_TURNS, chunk_size=8, micro_batch_size=micro).inputs, static_argnums=0)
+  whole, split = score(None, params), score(4, params)
+  fields = [f for f in ("logp_student", "logp_teacher", "divergence", "entropy")
+            if getattr(whole, f) is not None]
+  assert fields == {"pbsd": ["logp_student", "logp_teacher"], "gear":
+                    ["logp_student", "divergence", "entropy"], "grpo": ["logp_student"]}[name]
+  for f in fields:
+    np.testing.assert_allclose(getattr(split, f), getattr(whole, f), rtol=1e-5, atol=1e-6,
+                               err_msg=f)
+  # The rows differ from each other (a shuffled micro-batch would be caught).
+  logp = np.asarray(whole.logp_student)
+  assert np.abs(logp[:4] - logp[4:8]).max() > 1e-3
+  assert rollout.tokens.shape[0] == 16
+  with pytest.raises(ValueError, match="16 rows do not split into micro-batches of 5"):
+    score(5, params)
+
+
+def test_a_program_larger_than_the_device_is_refused_before_its_first_step():
+  """`train.fitted` compiles the SFT step for its first batch and compares what it holds
+  (`memory_analysis`) with the device's memory: over it, one line naming the program and
+  the fields; within it, the compiled program, which steps as the jitted one does."""
+  from pbsd_jax.run import train
+  config, tx = mw.make_config(), mw.make_tx()
+  step = learner.make_sft_step(config, tx, learner.UpdatePlan())
+  rollout, _, _ = mw.make_rollout(12)
+  args = (rollout.tokens, rollout.mask, rollout.action_mask.astype(bool))
+  compiled = step.lower(mw.initial_state(tx), *args).compile()
+  need = train.program_bytes(compiled)
+  assert need > 0
+  with pytest.raises(SystemExit, match=r"^FATAL: the SFT step needs .* per device, more than "
+                     r"the 1\.0 KB of a cpu; fields that change it: sft\.batch_size"):
+    train.fitted(step, (mw.initial_state(tx), *args), "the SFT step", train.SFT_FIELDS,
+                 limit=1024)
+  fitted = train.fitted(step, (mw.initial_state(tx), *args), "the SFT step",
+                        train.SFT_FIELDS, limit=need)
+  assert fitted is not step
+  ours, _ = fitted(mw.initial_state(tx), *args)
+  jitted, _ = step(mw.initial_state(tx), *args)
+  for a, b in zip(jax.tree.leaves(ours.params), jax.tree.leaves(jitted.params)):
+    np.testing.assert_array_equal(a, b)
+  moved = max(float(jnp.max(jnp.abs(a - b))) for a, b in
+              zip(jax.tree.leaves(ours.params), jax.tree.leaves(mw.initial_params())))
+  assert moved > 1e-5
+  # Without a limit, on a device that reports no memory (the CPU), nothing is compiled.
+  assert train.fitted(step, args, "the SFT step", train.SFT_FIELDS) is step

@@ -705,3 +705,25 @@ def test_kernels_follow_the_platform_a_program_is_lowered_for(attention):
   assert _custom_calls(sample, "tpu", params, tokens, mask) == mosaic
   assert _custom_calls(grad, "cpu", params, tokens, mask) == set()
   assert _custom_calls(grad, "tpu", params, tokens, mask) == mosaic
+
+
+def test_splash_on_a_mesh_runs_the_kernel_on_each_devices_block():
+  """XLA cannot partition a Mosaic kernel: on a mesh, `splash_attention` runs it per device
+  (`shard_map`) on the device's rows (data axes) and KV heads (`tensor`), with the output of
+  one device running all of it (interpreted here)."""
+  from pbsd_jax.models.attention.splash import splash_attention
+  from pbsd_jax.parallel import sharding
+  keys = jax.random.split(jax.random.key(0), 3)
+  q = jax.random.normal(keys[0], (4, 9, 2, 2, 16))
+  k, v = (jax.random.normal(key, (4, 2, 9, 16)) for key in keys[1:])
+  mask = jnp.ones((4, 9), bool).at[1, :3].set(False).at[3, :6].set(False)
+  whole = splash_attention(q, k, v, mask, interpret=True)
+  mesh = sharding.make_mesh(data=2, fsdp=1, tensor=2, devices=jax.devices()[:4])
+  place = lambda x, spec: jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+  P = jax.sharding.PartitionSpec
+  args = (place(q, P("data", None, "tensor")), place(k, P("data", "tensor")),
+          place(v, P("data", "tensor")), place(mask, P("data")))
+  run = lambda *a: splash_attention(*a, interpret=True)
+  assert "shard_map" in str(jax.make_jaxpr(run)(*args))
+  np.testing.assert_allclose(jax.jit(run)(*args), whole, rtol=1e-5, atol=1e-5)
+  assert np.abs(np.asarray(whole)).max() > 0.1

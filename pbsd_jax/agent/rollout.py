@@ -199,7 +199,9 @@ def _read_turn(env: AgentEnv, tokens: Array, start: Array, end: Array,
   return kind, query, None if gold is None else answer_match(s, n, gold)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
+# The host loop's per-turn programs take the episode (its KV cache) as donated: the new
+# one is written where the old one was, so a call holds one cache, not two.
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
 def _act(sampler: Sampler, env: AgentEnv, params, ep: Episode, rng: Array, turn: Array,
          forced: Array | None = None, forced_length: Array | None = None,
          text: TokenText | None = None, gold: Array | None = None
@@ -230,7 +232,7 @@ def _act(sampler: Sampler, env: AgentEnv, params, ep: Episode, rng: Array, turn:
   return ep, jnp.where(live, kind, KIND_EOS), query
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
 def _observe(sampler: Sampler, env: AgentEnv, params, ep: Episode, kind: Array, turn: Array,
              doc_tokens: Array, doc_lengths: Array, failed: Array, top_doc: Array) -> Episode:
   """Appends each live row's observation (documents or the notice) in one batched prefill;

@@ -18,6 +18,7 @@ from flax import struct
 
 from pbsd_jax.generate import stop_strings as stop_strings_lib
 from pbsd_jax.models import KVCache, ModelConfig, Transformer
+from pbsd_jax.parallel import sharding
 
 Array = jax.Array
 
@@ -256,6 +257,10 @@ class Sampler:
     if buffer_size < p:
       raise ValueError(f"buffer_size={buffer_size} is smaller than the prompt width {p}")
     cache = KVCache.init(self.model, b, buffer_size)
+    # Each device holds its own rows' cache, as it holds their prompts (the arrays made here
+    # have no placement of their own: XLA could keep every row on every device).
+    cache = jax.tree.map(lambda x: sharding.constrain_rows(x, int(x.ndim == 5), like=tokens),
+                         cache)
     out = self._forward(params, tokens, mask, cache, jnp.zeros((b,), jnp.int32),
                         compute_logits=False, empty_cache=True)
     buf = jnp.zeros((b, buffer_size), jnp.int32).at[:, :p].set(jnp.where(mask, tokens, 0))

@@ -25,6 +25,10 @@ SIZES = {
     "qwen2.5-0.5b": dict(vocab_size=151_936, hidden_size=896, num_layers=24, num_heads=14,
                          num_kv_heads=2, head_dim=64, mlp_dim=4864, qkv_bias=True,
                          tie_embeddings=True, rope_theta=1_000_000.0, rms_norm_eps=1e-6),
+    # The paper's model (configs/search_r1.py).
+    "qwen2.5-3b": dict(vocab_size=151_936, hidden_size=2048, num_layers=36, num_heads=16,
+                       num_kv_heads=2, head_dim=128, mlp_dim=11_008, qkv_bias=True,
+                       tie_embeddings=True, rope_theta=1_000_000.0, rms_norm_eps=1e-6),
     "qwen3-0.6b": dict(vocab_size=151_936, hidden_size=1024, num_layers=28, num_heads=16,
                        num_kv_heads=8, head_dim=128, mlp_dim=3072, qk_norm=True,
                        tie_embeddings=True, rope_theta=1_000_000.0, rms_norm_eps=1e-6),

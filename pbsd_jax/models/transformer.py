@@ -360,6 +360,7 @@ class Block(nn.Module):
   @nn.compact
   def __call__(self, carry, positions, query_slots, key_mask, routes):
     x, cache = carry
+    x = sharding.constrain_rows(x)
     c = self.model
     attn_out, cache = Attention(c, name="attn")(
         RMSNorm(c, name="attn_norm")(x), positions, query_slots, key_mask, cache)
@@ -371,7 +372,7 @@ class Block(nn.Module):
       mlp_out, routes = MLP(c, name="mlp")(normed), None
     if cache is not None:
       cache = (cache[0], cache[1], cache[2] + 1, *cache[3:])
-    return (x + mlp_out, cache), routes
+    return (sharding.constrain_rows(x + mlp_out), cache), routes
 
 
 class Transformer(nn.Module):
@@ -437,14 +438,14 @@ class Transformer(nn.Module):
       if empty_cache:
         caches = (*caches, mask)
 
-    x = jnp.take(self.embedding, tokens, axis=0).astype(c.jnp_dtype)
+    x = sharding.constrain_rows(jnp.take(self.embedding, tokens, axis=0).astype(c.jnp_dtype))
     if cache is not None and isinstance(cache.k, tuple):
       x, new_caches, new_routes = self._each_layer(x, caches, positions, query_slots, key_mask,
                                                    routes)
     else:
       (x, new_caches), new_routes = self.layers(
           (x, caches), positions, query_slots, key_mask, routes)
-    hidden = self.final_norm(x)
+    hidden = sharding.constrain_rows(self.final_norm(x))
     new_cache = None
     if cache is not None:
       new_cache = KVCache(k=new_caches[0], v=new_caches[1], mask=new_mask)

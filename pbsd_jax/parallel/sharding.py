@@ -185,6 +185,28 @@ def batch_sharding(mesh: Mesh, rules=RULES) -> NamedSharding:
   return NamedSharding(mesh, logical_to_mesh_spec(PartitionSpec("batch"), mesh, rules))
 
 
+def constrain_rows(x: jax.Array, axis: int = 0, like: jax.Array | None = None,
+                   rules=RULES) -> jax.Array:
+  """`x` with its row axis (`axis`) over the data axes (the rule of `batch`) of the mesh it
+  is traced on (`jax.typeof(x).sharding.mesh`, or `like`'s: an array made inside the
+  program has none of its own); as it is off a mesh, or where its rows do not split over
+  those axes.
+
+  Inside the model: without it, XLA may keep an activation split over the embedding axis
+  its weights are sharded on (`fsdp`) and every row on every device, all-reducing each
+  matmul's partial sums, where FSDP means gathering a layer's weights and computing one's
+  own rows.
+  """
+  mesh = jax.typeof(x if like is None else like).sharding.mesh
+  if mesh.empty or x.ndim <= axis:
+    return x
+  axes = tuple(a for a in _rule_axes(rules, "batch") if mesh.shape.get(a, 1) > 1)
+  if not axes or x.shape[axis] % math.prod(mesh.shape[a] for a in axes):
+    return x
+  return jax.lax.with_sharding_constraint(
+      x, NamedSharding(mesh, PartitionSpec(*[None] * axis, axes)))
+
+
 def num_batch_shards(mesh: Mesh, rules=RULES) -> int:
   """How many ways `batch_sharding` splits the batch axis (its row count must divide)."""
   axes = batch_sharding(mesh, rules).spec[0]

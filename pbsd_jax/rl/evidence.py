@@ -68,7 +68,9 @@ class PolicyBatch:
 
 def policy_batch(params: Any, rollout: Any, teacher_prompt: Array, teacher_prompt_mask: Array,
                  step: Array, *, model: ModelConfig, algo: Any, max_turns: int,
-                 chunk_size: int | None = None, score_student: bool = True) -> PolicyBatch:
+                 chunk_size: int | None = None, score_student: bool = True,
+                 micro_batch_size: int | None = None, micro_sharding: Any = None
+                 ) -> PolicyBatch:
   """The evidence pass of a rollout (module docstring): its `PolicyBatch`.
 
   Args:
@@ -82,13 +84,57 @@ def policy_batch(params: Any, rollout: Any, teacher_prompt: Array, teacher_promp
     max_turns: K, the rollout's static number of turn slots.
     chunk_size: LM-head chunk over the sequence.
     score_student: False: no pass of its own for the student log-probs (module docstring).
+    micro_batch_size: score this many rows at a time (`lax.map` over micro-batches), so the
+      pass holds one micro-batch's activations and LM-head chunk, not the whole batch's;
+      None: all rows at once. The scores are the same.
+    micro_sharding: the sharding of a `[n_micro, micro, ...]` block (rows over the data
+      axes: `learner.micro_batch_sharding`), so each device scores its own rows.
   """
   tokens, mask = rollout.tokens, rollout.mask
   teacher_tokens, teacher_mask = privileged.teacher_sequence(tokens, mask, teacher_prompt,
                                                              teacher_prompt_mask)
-  score_from = rollout.prompt_width
-  logp_student = logp_teacher = divergence = entropy = None
   routes = replayed_routes(rollout) if getattr(algo, "replay_routing", False) else None
+  score = lambda *rows: _scores(params, *rows, model=model, algo=algo, chunk_size=chunk_size,
+                                score_student=score_student,
+                                score_from=rollout.prompt_width)
+  rows_first = None if routes is None else jnp.moveaxis(routes, 2, 0)  # [B, 2, layers, T, k]
+  logp_student, logp_teacher, divergence, entropy = _by_micro_batch(
+      score, micro_batch_size, micro_sharding, tokens, mask, teacher_tokens, teacher_mask,
+      rows_first)
+  inputs = AdvantageInputs(rewards=rollout.reward, action_mask=rollout.action_mask,
+                           turn_ids=rollout.turn_ids, step=step, max_turns=max_turns,
+                           logp_student=logp_student, logp_teacher=logp_teacher,
+                           divergence=divergence, entropy=entropy)
+  return PolicyBatch(tokens=tokens, mask=mask, teacher_tokens=teacher_tokens,
+                     teacher_mask=teacher_mask, action_mask=rollout.action_mask.astype(bool),
+                     inputs=jax.lax.stop_gradient(inputs), score_from=rollout.prompt_width,
+                     turn_label=getattr(rollout, "turn_label", None))
+
+
+def _by_micro_batch(fn, micro: int | None, micro_sharding: Any, *arrays):
+  """`fn(*arrays)` over the rows in micro-batches of `micro` (`lax.map`), the results put
+  back in row order; one call when `micro` is None or holds every row."""
+  b = jax.tree.leaves(arrays)[0].shape[0]
+  if micro is None or micro >= b:
+    return fn(*arrays)
+  if b % micro:
+    raise ValueError(f"{b} rows do not split into micro-batches of {micro}")
+  split = jax.tree.map(lambda x: x.reshape(b // micro, micro, *x.shape[1:]), arrays)
+  if micro_sharding is not None:
+    split = jax.lax.with_sharding_constraint(split, micro_sharding)
+  out = jax.lax.map(lambda rows: fn(*rows), split)
+  return jax.tree.map(lambda y: y.reshape(b, *y.shape[2:]), out)
+
+
+def _scores(params: Any, tokens: Array, mask: Array, teacher_tokens: Array,
+            teacher_mask: Array, routes: Any, *, model: ModelConfig, algo: Any,
+            chunk_size: int | None, score_student: bool, score_from: int
+            ) -> tuple[Array | None, Array | None, Array | None, Array | None]:
+  """`(logp_student, logp_teacher, divergence, entropy)` of some rows, each `[rows, T]` or
+  None where the algorithm does not read it (module docstring). `routes` has the rows
+  first."""
+  routes = None if routes is None else jnp.moveaxis(routes, 0, 2)
+  logp_student = logp_teacher = divergence = entropy = None
   if "logp_teacher" in algo.needs:
     if score_student:
       logp_student, logp_teacher = likelihood.dual_logprobs(
@@ -108,14 +154,7 @@ def policy_batch(params: Any, rollout: Any, teacher_prompt: Array, teacher_promp
   if score_student and logp_student is None:
     logp_student = likelihood.token_logprobs(params, model, tokens, mask,
                                              chunk_size=chunk_size, score_from=score_from)
-  inputs = AdvantageInputs(rewards=rollout.reward, action_mask=rollout.action_mask,
-                           turn_ids=rollout.turn_ids, step=step, max_turns=max_turns,
-                           logp_student=logp_student, logp_teacher=logp_teacher,
-                           divergence=divergence, entropy=entropy)
-  return PolicyBatch(tokens=tokens, mask=mask, teacher_tokens=teacher_tokens,
-                     teacher_mask=teacher_mask, action_mask=rollout.action_mask.astype(bool),
-                     inputs=jax.lax.stop_gradient(inputs), score_from=score_from,
-                     turn_label=getattr(rollout, "turn_label", None))
+  return logp_student, logp_teacher, divergence, entropy
 
 
 def replayed_routes(rollout: Any) -> Array:

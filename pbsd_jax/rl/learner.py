@@ -465,7 +465,8 @@ def rl_step(state: TrainState, rollout: Any, teacher_prompt: Array, teacher_prom
   """One RL iteration on a rollout: `evidence.policy_batch`, then the update (traceable).
 
   The update is `on_policy_update` when the plan makes one update in one pass (the evidence
-  pass then skips the student log-probs), else `ppo_update`.
+  pass then skips the student log-probs), else `ppo_update`. The evidence pass scores the
+  rows in the plan's micro-batches, as the update does.
 
   Args: as `evidence.policy_batch` and `ppo_update`.
 
@@ -475,7 +476,8 @@ def rl_step(state: TrainState, rollout: Any, teacher_prompt: Array, teacher_prom
   on_policy = plan.on_policy(rollout.tokens.shape[0], _shards(micro_sharding))
   batch = policy_batch(state.params, rollout, teacher_prompt, teacher_prompt_mask, state.step,
                        model=model, algo=algo, max_turns=max_turns,
-                       chunk_size=plan.chunk_size, score_student=not on_policy)
+                       chunk_size=plan.chunk_size, score_student=not on_policy,
+                       micro_batch_size=plan.micro_batch_size, micro_sharding=micro_sharding)
   update = on_policy_update if on_policy else ppo_update
   state, metrics = update(state, batch, model=model, tx=tx, algo=algo, plan=plan,
                           teacher_params=teacher_params, micro_sharding=micro_sharding)

@@ -29,6 +29,9 @@ from jax.sharding import Mesh
 
 from pbsd_jax.agent import rollout as rollout_lib
 from pbsd_jax.models import param_shapes
+from pbsd_jax.models.attention.decode import DECODE_BLOCK
+from pbsd_jax.models.attention.flash import tiling
+from pbsd_jax.data.storage import size_text
 from pbsd_jax.parallel import hlo_cost, sharding
 from pbsd_jax.rl import learner, train_state
 from pbsd_jax.run import memory_model, train
@@ -65,7 +68,10 @@ _SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128
 
 def _quiet_libtpu() -> None:
   """libtpu looks for the TPU workers of the host it runs on, which a compiling host has
-  none of; telling it that there is one quiets its start-up errors."""
+  none of; telling it that there is one quiets its start-up errors. It also locks the host's
+  TPU for one process (`/tmp/libtpu_lockfile`): compiling uses no TPU, so several compiles
+  may run at once."""
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
   os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
@@ -220,7 +226,10 @@ def run_programs(spec: RunSpec, task: Task, mesh: Mesh) -> list[Program]:
   """
   model, env, rl = spec.model, task.env, spec.rl
   rows, whole = sharding.batch_sharding(mesh), sharding.replicated(mesh)
-  decode = {"decode_loop": env.max_action_tokens}
+  # The decode loop runs at most its action budget per turn; each step's attention reads
+  # the cache's blocks up to the fullest row's slot, at most all of them.
+  decode = {"decode_loop": env.max_action_tokens,
+            "decode_blocks": tiling(env.buffer_size, DECODE_BLOCK)[0]}
   out = []
   estimate = lambda kind, **kw: memory_model.estimate(spec, mesh, kind, **kw)
 
@@ -301,6 +310,8 @@ def _host_loop(spec: RunSpec, task: Task, agent: Any, params: Any, batch: dict, 
   """The host turn loop's programs (`rollout._start`, `_act`, `_observe`) for `batch`."""
   sampler, env = agent.sampler, task.env
   text = agent.tokenizer.text
+  budgets = {"decode_loop": env.max_action_tokens,
+             "decode_blocks": tiling(env.buffer_size, DECODE_BLOCK)[0]}
   b = batch["prompts"].shape[0]
   rows = sharding.batch_sharding(mesh) if b % sharding.num_batch_shards(mesh) == 0 else (
       sharding.replicated(mesh))
@@ -309,7 +320,8 @@ def _host_loop(spec: RunSpec, task: Task, agent: Any, params: Any, batch: dict, 
   prompt_mask = abstract(batch["prompt_mask"], rows)
   ep = jax.eval_shape(lambda p, x, m: rollout_lib._start(sampler, env, p, x, m), params,
                       prompts, prompt_mask)
-  ep = abstract(ep, rows)
+  ep = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                   sharding=_rows_of(x, b, rows)), ep)
   key = jax.ShapeDtypeStruct((), jax.random.key(0).dtype, sharding=whole)
   turn = jax.ShapeDtypeStruct((), jnp.int32, sharding=whole)
   text = None if text is None else abstract(text, whole)
@@ -328,11 +340,21 @@ def _host_loop(spec: RunSpec, task: Task, agent: Any, params: Any, batch: dict, 
           fields, estimate("start")),
       Program(f"{prefix}_act", functools.partial(
           rollout_lib._act.lower, sampler, env, params, ep, key, turn, text=text),
-          {"decode_loop": env.max_action_tokens}, env.max_turns, fields, estimate("act")),
+          budgets, env.max_turns, fields, estimate("act")),
       Program(f"{prefix}_observe", functools.partial(
           rollout_lib._observe.lower, sampler, env, params, ep, kind, turn, docs, lengths,
           flags, kind), {}, env.max_turns, fields, estimate("observe")),
   ]
+
+
+def _rows_of(x: Any, b: int, rows: jax.sharding.NamedSharding) -> jax.sharding.NamedSharding:
+  """The sharding of an episode array in the host loop: its row axis (the first of size
+  `b`: the KV cache's is the second, after its layers) over the data axes."""
+  axis = next((i for i, n in enumerate(x.shape[:2]) if n == b), None)
+  if axis is None or rows.spec == jax.sharding.PartitionSpec():
+    return jax.sharding.NamedSharding(rows.mesh, jax.sharding.PartitionSpec())
+  return jax.sharding.NamedSharding(rows.mesh, jax.sharding.PartitionSpec(*[None] * axis,
+                                                                          rows.spec[0]))
 
 
 def analyse(program: Program, chip: Chip) -> Report:
@@ -365,14 +387,6 @@ def analyse(program: Program, chip: Chip) -> Report:
   return Report(program.name, memory, float(xla.get("flops", 0.0)),
                 float(xla.get("bytes accessed", 0.0)), cost, seconds, mfu,
                 memory["total"] <= chip.hbm, unit, calls, program)
-
-
-def size_text(n: float) -> str:
-  """Bytes in binary units, e.g. `1.5 GiB`."""
-  for unit, scale in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-    if abs(n) >= scale:
-      return f"{n / scale:.3g} {unit}"
-  return f"{int(n)} B"
 
 
 def too_large(report: Report, chip: Chip) -> str:

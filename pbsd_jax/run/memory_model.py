@@ -10,16 +10,18 @@ The parts (bytes per device; `rows` are a device's rows: the batch over `data x 
 - `gradients`: the micro-batch's gradient and the mini-batch's sum, float32, in the
   parameters' shardings (one of them on the one-pass plan).
 - `kv_cache`: `rows x buffer x layers x 2 (keys, values) x kv heads / tensor x head dim` in
-  the cache dtype: every row reserves the whole buffer.
-- `logits`: the LM head's float32 logits over `chunk` positions (`rl.chunk_size`) and the
-  vocabulary / tensor, once (a chunk is rematerialised in the backward pass); over the whole
-  sequence when there is no chunk, three times in an update (the logits, their softmax, its
-  gradient); per sequence scored (the evidence pass scores the student's and the teacher's,
-  over the whole batch at once).
+  the cache dtype: every row reserves the whole buffer; a TPU program holds
+  `CACHE_BUFFERS[kind]` of them (loop carries, the scatter's relayouts).
+- `logits`: the LM head's float32 logits over `chunk` positions (`rl.chunk_size`, the whole
+  sequence when 0) and the vocabulary / tensor, three times in an update (the logits, their
+  softmax, its gradient), twice per sequence in the evidence pass (the student's and the
+  teacher's sequences are scored in the update's micro-batches).
 - `activations`: per layer the saved input of `rows x length x hidden` in the compute dtype
-  (remat), or everything the layer's backward reads (about `6 hidden + 2 kv heads x head dim
-  + 3 mlp` values per token: flash attention saves no scores); plus one layer's worth being
-  recomputed and one flash tile of float32 scores.
+  (remat), or everything the layer's backward reads (`6 hidden + 2 kv heads x head dim +
+  3 mlp` values per token: flash attention saves no scores); the layer being differentiated
+  (its forward again, the MLP's intermediates and gradients in float32) and three flash
+  tiles of float32 scores (a query block by a key block, every head).
+- Not modelled: the compiled code (tens of MB), collectives' buffers.
 
 A program's need is its state plus the largest of its phases (rollout, evidence pass,
 update): XLA reuses a phase's temporaries in the next. `tests/test_aot.py` holds the model
@@ -35,9 +37,17 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from pbsd_jax.models import param_shapes, param_shardings
-from pbsd_jax.models.attention.flash import KEY_BLOCK, QUERY_BLOCK
+from pbsd_jax.models.attention.flash import KEY_BLOCK, QUERY_BLOCK, tiling
 from pbsd_jax.parallel import sharding
 from pbsd_jax.rl import train_state
+
+
+# Cache-sized buffers a TPU rollout program holds, measured (scripts/aot_compile.py, docs/tpu.md):
+# a write of several tokens per row (the prompt's prefill, an observation's append) scatters
+# into the cache through relayouts of it (its slots are its minor axis), 4 in all; a decode
+# step holds the cache it was given (donated); the in-graph rollout, whose loops carry the
+# cache through both, 6.
+CACHE_BUFFERS = {"start": 4, "observe": 4, "act": 1, "rl_step": 6, "eval": 6}
 
 
 def _per_device(shapes, shardings, dtype=None) -> float:
@@ -77,28 +87,36 @@ def estimate(spec, mesh: Mesh, kind: str, rows: int | None = None) -> dict[str, 
     return (_split(n, shards) * buffer * layers * 2 * _split(model.num_kv_heads, tensor)
             * model.resolved_head_dim * cache_bytes)
 
+  kv = 2 * _split(model.num_kv_heads, tensor) * model.resolved_head_dim
+  forward_per_token = (6 * hidden + kv + 3 * mlp) * compute  # what a layer's backward reads
+
+  def tile(local: float, length: int) -> float:
+    """One flash tile's float32 scores: a query block by a key block, every head."""
+    return local * heads * min(QUERY_BLOCK, length) * tiling(length, KEY_BLOCK)[1] * 4
+
   def update(n: int, length: int, chunk: int | None, on_policy: bool) -> dict:
     local = _split(n, shards)
-    kv = 2 * _split(model.num_kv_heads, tensor) * model.resolved_head_dim
-    per_token_layer = (6 * hidden + kv + 3 * mlp) * compute
-    saved = (hidden * compute) if model.remat else per_token_layer
-    tile = local * heads * min(QUERY_BLOCK, length) * min(KEY_BLOCK, length) * 4
+    saved = hidden * compute if model.remat else forward_per_token
+    # The layer being differentiated: its forward again, the MLP's intermediates and their
+    # gradients in float32, three flash tiles (scores, probabilities, their gradient).
+    backward = (6 * hidden + kv) * compute + 4 * mlp * 4
     return {
         "gathered": 2 * layer_weights * compute,
         "gradients": (1 if on_policy else 2) * _per_device(shapes, param_sh, jnp.float32),
-        "activations": local * length * (layers * saved + per_token_layer) + tile,
-        "logits": local * min(chunk or length, length) * vocab * 4 * (1 if chunk else 3),
+        "activations": (local * length * (layers * saved + backward)
+                        + 3 * tile(local, length)),
+        "logits": local * min(chunk or length, length) * vocab * 4 * 3,
     }
 
   def evidence(n: int, sequences: int, chunk: int | None) -> dict:
     local = _split(n, shards) * sequences
     return {"gathered": 2 * layer_weights * compute,
-            "activations": local * buffer * 2 * (4 * hidden + 2 * mlp) * compute,
+            "activations": local * buffer * forward_per_token + tile(local, buffer),
             "logits": local * min(chunk or buffer, buffer) * vocab * 4 * 2}
 
   def rollout(n: int) -> dict:
     return {"gathered": layers * layer_weights * compute if mesh.shape["fsdp"] > 1 else 0,
-            "kv_cache": kv_cache(n),
+            "kv_cache": CACHE_BUFFERS[kind] * kv_cache(n),
             "logits": _split(n, shards) * vocab * 4 * 3}
 
   state = {"params": params}
@@ -124,7 +142,7 @@ def estimate(spec, mesh: Mesh, kind: str, rows: int | None = None) -> dict[str, 
     sequences = (1 if on_policy else 2) if teacher else (0 if on_policy else 1)
     phases = [update(micro, buffer, plan.chunk_size, on_policy)]
     if sequences:
-      phases.append(evidence(n, sequences, plan.chunk_size))
+      phases.append(evidence(micro, sequences, plan.chunk_size))
     if kind == "rl_step":
       phases.append(rollout(n))
   else:
@@ -134,3 +152,51 @@ def estimate(spec, mesh: Mesh, kind: str, rows: int | None = None) -> dict[str, 
   parts = {**state, **phase}
   parts["total"] = sum(parts.values())
   return parts
+
+
+def step_seconds(spec, mesh: Mesh, peak_flops: float, bandwidth: float) -> dict[str, float]:
+  """A roofline of one RL step on `mesh`'s chips, from the shapes alone: `rollout`,
+  `evidence` and `update` seconds (each `max(FLOPs / peak, bytes / bandwidth)` per device).
+
+  - rollout: at most `max_turns x max_action_tokens` decode steps (every row using its whole
+    budget); each computes `2 x params` FLOPs per row and reads the weights (whole: FSDP
+    gathers them) and its rows' KV cache, half full on average; plus the observations'
+    appends (`max_turns x max_observation_tokens` tokens per row, as a forward).
+  - evidence: a forward (`2 x params` FLOPs per token, attention's `2 x 2 x layers x
+    context x hidden` on top) over every row's buffer, once per sequence scored.
+  - update: forward and backward (three forwards; four with remat) over every row's buffer,
+    per epoch.
+  Collectives are not counted (ICI is not the bound at these shapes; DCN across slices can
+  be).
+  """
+  model, env, rl = spec.model, spec.env, spec.rl
+  devices = mesh.size
+  shards = sharding.num_batch_shards(mesh)
+  rows = rl.prompts_per_step * rl.group_size
+  n = sum(math.prod(s.shape) for s in jax.tree.leaves(param_shapes(model)))
+  compute = jnp.dtype(model.jnp_dtype).itemsize
+  cache_bytes = jnp.dtype(model.jnp_cache_dtype).itemsize
+  buffer = env.buffer_size
+  kv_per_token = (model.num_layers * 2 * model.num_kv_heads * model.resolved_head_dim
+                  * cache_bytes)
+  attention = lambda context: 2 * 2 * model.num_layers * context * model.hidden_size
+  roof = lambda flops, moved: max(flops / peak_flops, moved / bandwidth)
+
+  steps = env.max_turns * env.max_action_tokens
+  local_rows = rows / shards
+  decode = roof(local_rows * (2 * n + attention(buffer / 2)) / (devices / shards),
+                n * compute + local_rows * buffer / 2 * kv_per_token)
+  appended = rows * env.max_turns * env.max_observation_tokens
+  rollout = steps * decode + roof(appended * (2 * n + attention(buffer / 2)) / devices,
+                                  env.max_turns * n * compute)
+  tokens = rows * buffer
+  forward = tokens * (2 * n + attention(buffer / 2)) / devices
+  algo, plan = spec.algorithm, rl.plan
+  on_policy = plan.on_policy(rows, shards)
+  sequences = (("logp_teacher" in algo.needs) + (not on_policy)
+               + 2 * bool(algo.needs & {"divergence", "entropy"}))
+  evidence = roof(sequences * forward, sequences * n * compute)
+  passes = 4 if model.remat else 3
+  update = roof(plan.epochs * passes * forward,
+                plan.epochs * plan.minibatches * 3 * n * 4)
+  return {"rollout": rollout, "evidence": evidence, "update": update}

@@ -45,6 +45,51 @@ from pbsd_jax.run import checkpoint, run_config, workdir as workdir_lib
 from pbsd_jax.run.run_config import RunSpec
 from pbsd_jax.run.task import Task, rl_batch, rl_prompts, sft_sequences
 
+def device_memory() -> int | None:
+  """Bytes of memory of this host's first device, where the backend reports it (GPU, TPU);
+  None on the CPU."""
+  stats = jax.local_devices()[0].memory_stats()
+  return None if not stats else stats.get("bytes_limit")
+
+
+def program_bytes(compiled: Any) -> int:
+  """What a compiled program holds per device: arguments, outputs not in donated arguments'
+  buffers, temporaries and code (`memory_analysis()`)."""
+  m = compiled.memory_analysis()
+  return (m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes
+          + m.temp_size_in_bytes + m.generated_code_size_in_bytes)
+
+
+def fitted(program: Any, args: tuple, name: str, fields: str, limit: int | None = None
+           ) -> Callable:
+  """`program` (jitted) compiled for `args` before the first step, refused in one line when
+  it needs more than `limit` bytes per device (default: `device_memory()`), instead of an
+  out-of-memory error mid-step. Returns the compiled program, called as `program` is; where
+  the device reports no memory and no `limit` is given, `program` itself (nothing compiles
+  twice).
+
+  Raises:
+    SystemExit: naming the program, its need, the device's memory and `fields`.
+  """
+  limit = device_memory() if limit is None else limit
+  if limit is None:
+    return program
+  compiled = program.lower(*args).compile()
+  need = program_bytes(compiled)
+  if need > limit:
+    raise SystemExit(
+        f"FATAL: {name} needs {storage.size_text(need)} per device, more than the "
+        f"{storage.size_text(limit)} of a {jax.local_devices()[0].device_kind}; fields that "
+        f"change it: {fields} (scripts/aot_compile.py shows each program's memory)")
+  return compiled
+
+
+# The fields that change each program's memory, named when it does not fit.
+SFT_FIELDS = "sft.batch_size, env.buffer_size, model.remat, model.param_dtype, rl.chunk_size"
+RL_FIELDS = ("rl.micro_batch_size, rl.chunk_size, model.remat, rollout.prompts_per_step, "
+             "grpo.group_size, env.buffer_size, model.cache_dtype")
+
+
 def _checkpointer(spec: RunSpec, workdir: str, name: str) -> checkpoint.Checkpointer:
   c = spec.checkpoint
   return checkpoint.Checkpointer(os.path.join(workdir, name),
@@ -114,6 +159,10 @@ def sft_stage(spec: RunSpec, task: Task, workdir: str, log: MetricLog, mesh: Mes
           "needs each SFT record's golden_answers")
     rows, teacher_rows, sequences = _local_sft_sequences(spec, task, records, mesh)
     step_fn = learner.make_sft_step(model, tx, sft.plan, mesh=mesh)
+    first = sharding.shard_process_local_batch(
+        _sft_rows(sequences, rows[int(state.step)], teacher_rows[int(state.step)]), mesh,
+        sft.batch_size)
+    step_fn = fitted(step_fn, (state, *first), "the SFT step", SFT_FIELDS)
     with checkpoint.PreemptionGuard() as guard:
       for step in progress(range(int(state.step), steps), desc="sft", initial=int(state.step),
                            total=steps):
@@ -250,20 +299,41 @@ def make_rl_iteration(agent: Agent, model: ModelConfig, tx: optax.GradientTransf
 
 
 def rl_step_fn(agent: Agent, model: ModelConfig, tx: optax.GradientTransformation, algo: Any,
-               plan: learner.UpdatePlan, mesh: Mesh, teacher_params: Any = None) -> Callable:
+               plan: learner.UpdatePlan, mesh: Mesh, teacher_params: Any = None,
+               example: tuple | None = None) -> Callable:
   """The loop's RL step, `step(state, batch, group_ids, golden_answers) -> (state, rollout,
   metrics)`: one program (`make_rl_iteration`) for an in-graph agent, else the host rollout
-  followed by the jitted update (`learner.make_rl_step`)."""
+  followed by the jitted update (`learner.make_rl_step`).
+
+  With `example`, a first step's `(state, batch, group_ids)`, the one program is compiled for
+  it up front and refused in one line when it does not fit the device (`fitted`); the host
+  loop's update is, at its first call.
+  """
   if agent.in_graph:
     program = make_rl_iteration(agent, model, tx, algo, plan, mesh)
     search = (agent.search, agent.tokenizer.text)
+    if example is not None:
+      state, batch, group_ids = example
+      args = (state, search, batch, group_ids) + (() if teacher_params is None else
+                                                 (teacher_params,))
+      compiled = fitted(program, args, "the RL step", RL_FIELDS)
+      if compiled is not program:
+        return lambda state, batch, group_ids, golden_answers: compiled(
+            state, search, batch, group_ids, *args[4:])
     return lambda state, batch, group_ids, golden_answers: program(
         state, search, batch, group_ids, teacher_params)
   update = learner.make_rl_step(model, tx, algo, agent.env.max_turns, plan, mesh=mesh)
   # The host loop's arrays come back wherever its jitted pieces left them; the update takes
   # the rollout's rows where the batch's are.
   rows = sharding.batch_sharding(mesh)
-  placed = lambda state, rollout, *rest: update(state, jax.device_put(rollout, rows), *rest)
+  checked = []
+
+  def placed(state, rollout, teacher_prompt, teacher_prompt_mask, teacher_params):
+    args = (state, jax.device_put(rollout, rows), teacher_prompt, teacher_prompt_mask) + (
+        () if teacher_params is None else (teacher_params,))
+    if example is not None and not checked:
+      checked.append(fitted(update, args, "the RL update", RL_FIELDS))
+    return (checked[0] if checked else update)(*args)
   return lambda state, batch, group_ids, golden_answers: rl_iteration(
       agent, placed, state, batch, group_ids, teacher_params, golden_answers)
 
@@ -358,11 +428,13 @@ def rl_stage(spec: RunSpec, task: Task, params: Any, workdir: str, log: MetricLo
   counters = None if agent.in_graph else getattr(agent.search, "metrics", None)
   state = fresh_state(params, tx, model, mesh, spec.seed + 1)
   teacher_params = jax.tree.map(jnp.copy, params) if algo.distillation_beta is not None else None
-  iteration = rl_step_fn(agent, model, tx, algo, plan, mesh, teacher_params)
 
   with _checkpointer(spec, workdir, "ckpt_rl") as ckpt, \
       checkpoint.PreemptionGuard() as guard:
     state = _resume(ckpt, state, log, "rl", force_resume)
+    _, batch, group_ids = rl_inputs(task, spec, int(state.step), mesh)
+    iteration = rl_step_fn(agent, model, tx, algo, plan, mesh, teacher_params,
+                           example=(state, batch, group_ids))
     log.drop_after("eval", int(state.step))
     if int(state.step) == 0:
       _log_validation(spec, task, state.params, log, 0)

@@ -57,5 +57,6 @@ def decode_attention(query: Array, keys: Array, values: Array, layer: Array | in
   # exp(-inf - floor) is 0 rather than NaN.
   carry = (jnp.full(shape, jnp.finfo(f32).min, f32), jnp.zeros(shape, f32),
            jnp.zeros((*shape, query.shape[3]), f32))
-  _, total, acc = jax.lax.fori_loop(0, (jnp.max(last) + block) // block, step, carry)
+  with jax.named_scope("decode_blocks"):  # its trip count's name (`hlo_cost`)
+    _, total, acc = jax.lax.fori_loop(0, (jnp.max(last) + block) // block, step, carry)
   return acc / total[..., None]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 Array = jax.Array
 
@@ -20,7 +22,28 @@ def splash_attention(q: Array, keys: Array, values: Array, mask: Array,
   segment 0, so a real query attends to the real keys at or before it, as in
   `tiled_attention`, and a padded query's output is set to zero. `interpret` runs the kernel
   in Pallas's interpreter (any backend; slow).
+
+  XLA cannot partition a Mosaic kernel, so on a mesh (the one the arrays are traced on) each
+  device runs it on its own block (`jax.shard_map`): its rows over the data axes and its KV
+  heads over `tensor`, where they divide; an axis that does not divide runs replicated.
   """
+  mesh = jax.typeof(q).sharding.mesh
+  if mesh.empty or mesh.size == 1:
+    return _splash_block(q, keys, values, mask, interpret)
+  size = lambda axes: math.prod(mesh.shape[a] for a in axes)
+  rows = tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
+  rows = rows if rows and q.shape[0] % size(rows) == 0 else None
+  heads = "tensor" if (mesh.shape.get("tensor", 1) > 1
+                       and q.shape[2] % mesh.shape["tensor"] == 0) else None
+  spec_q, spec_kv = P(rows, None, heads), P(rows, heads)
+  return jax.shard_map(functools.partial(_splash_block, interpret=interpret), mesh=mesh,
+                       in_specs=(spec_q, spec_kv, spec_kv, P(rows)), out_specs=spec_q,
+                       check_vma=False)(q, keys, values, mask)
+
+
+def _splash_block(q: Array, keys: Array, values: Array, mask: Array, interpret: bool
+                  ) -> Array:
+  """`splash_attention` on one device's block."""
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as sk
   b, t, kvh, groups, hd = q.shape
   width = -(-t // 128) * 128

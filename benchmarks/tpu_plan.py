@@ -1,0 +1,106 @@
+"""Which TPU slices hold the paper's recipe: the table of docs/tpu.md, from the memory model.
+
+For each model shape, context buffer and slice, the recipe of `configs/search_r1.py` (32
+prompts x 8 trajectories, float32 master weights, bfloat16 compute, remat, an HTTP
+retriever: the host turn loop and the update) is tried with meshes (FSDP over the chips, with
+tensor parallelism of 1 to 8) and micro-batches (4 down to 1 row per device), in that order; the first that fits (`memory_model.estimate` of the update and of the turn loop's
+programs, within the chip's HBM less a margin) is the cell, with its per-device need and the
+step's roofline split (`memory_model.step_seconds`). `--compiled=a.json,b.json`
+(`scripts/aot_compile.py --json`) marks the cells the compiler checked.
+
+  python benchmarks/tpu_plan.py > /tmp/table.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "configs"))
+
+from pbsd_jax.run import aot, memory_model, run_config  # noqa: E402
+
+SHAPES = ("qwen2.5-3b", "qwen3-8b")
+BUFFERS = (8192, 16384, 32768, 65536)
+TOPOLOGIES = ("v5e-16", "v5e-64", "v5e-256", "v5p-32", "v5p-128", "v4-64")
+# The share of HBM a program may plan for: XLA's own reservations and fragmentation.
+MARGIN = 0.9
+
+
+def recipe(name: str, buffer: int, **fields):
+  import search_r1
+  config = search_r1.get_config()
+  config.model.name = name
+  config.env.buffer_size = buffer
+  for path, value in fields.items():
+    section, field = path.split(".")
+    config[section][field] = value
+  return config
+
+
+def need(spec, mesh) -> tuple[float, str]:
+  parts = {kind: memory_model.estimate(spec, mesh, kind)
+           for kind in ("rl_update", "start", "act", "observe")}
+  worst = max(parts, key=lambda k: parts[k]["total"])
+  return parts[worst]["total"], worst
+
+
+def cell(name: str, buffer: int, topology: str):
+  devices, chip = aot.topology(topology)
+  rows = 32 * 8 // 4  # a mini-batch of the recipe (rl.minibatches = 4)
+  tried = None
+  for tensor in (1, 2, 4, 8):
+    shards = len(devices) // tensor
+    for per_shard in (4, 2, 1):  # rows per device in a micro-batch
+      micro = shards * per_shard
+      if len(devices) % tensor or micro > rows or rows % micro:
+        continue
+      spec = run_config.validate(recipe(name, buffer, **{
+          "mesh.fsdp": -1, "mesh.tensor": tensor, "rl.micro_batch_size": micro}),
+                                 num_devices=len(devices))
+      try:
+        mesh = spec.build_mesh(devices)
+      except (NotImplementedError, run_config.ConfigError):
+        continue  # an axis the physical torus cannot give
+      tried = need(spec, mesh)[0]
+      if tried <= MARGIN * chip.hbm:
+        times = memory_model.step_seconds(spec, mesh, chip.peak_flops, chip.bandwidth)
+        return dict(fits=True, mesh=f"fsdp {shards} x tensor {tensor}", micro=micro,
+                    need=tried, hbm=chip.hbm, times=times)
+  return dict(fits=False, need=tried, hbm=chip.hbm)
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__)
+  p.add_argument("--compiled", default="", help="scripts/aot_compile.py --json outputs")
+  args = p.parse_args()
+  compiled = {}
+  for path in filter(None, args.compiled.split(",")):
+    with open(path) as f:
+      report = json.load(f)
+    compiled[report["topology"], report.get("label", "")] = report
+  print("| model | buffer | slice | fits | mesh | micro-batch (rows) | HBM per chip | "
+        "rollout s | evidence s | update s |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
+  gib = 1 << 30
+  for name in SHAPES:
+    for buffer in BUFFERS:
+      for topology in TOPOLOGIES:
+        c = cell(name, buffer, topology)
+        mark = " (compiled)" if (topology, f"{name}@{buffer}") in compiled else ""
+        if c["fits"]:
+          t = c["times"]
+          print(f"| {name} | {buffer // 1024}K | {topology} | yes{mark} | {c['mesh']} | "
+                f"{c['micro']} | {c['need'] / gib:.1f} / {c['hbm'] / gib:.0f} GiB "
+                f"| {t['rollout']:.0f} | {t['evidence']:.1f} | {t['update']:.1f} |")
+        else:
+          print(f"| {name} | {buffer // 1024}K | {topology} | no{mark} | | | "
+                f"{c['need'] / gib:.1f} / {c['hbm'] / gib:.0f} GiB | | | |")
+
+
+if __name__ == "__main__":
+  main()
