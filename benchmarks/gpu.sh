@@ -8,7 +8,7 @@
 # Makes the virtualenv if it has no accelerator backend (the package + jax[cuda12]), runs
 # benchmarks/ours_{rl,mfu,memory,multiturn}.py with --size/--dtype (random weights of the named
 # pbsd_jax/models/sizes.py shape), saves each RESULT line under $OUT and prints a summary:
-# learner MFU against the chip's dense bf16 peak (benchmarks/ours_common.py CHIP_PEAKS, by device
+# learner MFU against the chip's dense bf16 peak (pbsd_jax/parallel/chips.py, by device
 # kind) and against the matmul peak measured in the same run, and decode bandwidth utilisation
 # (parameter + KV-cache bytes read per decode step / decode step time / the chip's HBM bandwidth).
 # Then the training loop itself, scripts/train.py on the demo config for a few steps.

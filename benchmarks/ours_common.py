@@ -21,17 +21,7 @@ import numpy as np
 
 from pbsd_jax.models import ModelConfig, hf, init_params
 from pbsd_jax.models.sizes import SIZES
-
-# Dense peaks of accelerators by `device_kind` substring: (bf16 FLOP/s, HBM bytes/s).
-CHIP_PEAKS = {
-    "H200": (989e12, 4.8e12),
-    "H100": (989e12, 3.35e12),
-    "A100": (312e12, 2.0e12),
-    "L4": (121e12, 0.3e12),
-    "TPU v5 lite": (197e12, 0.82e12),
-    "TPU v5p": (459e12, 2.76e12),
-    "TPU v4": (275e12, 1.2e12),
-}
+from pbsd_jax.parallel import chips
 
 
 def parser(doc: str) -> argparse.ArgumentParser:
@@ -163,12 +153,10 @@ def products_seconds(shapes: list[tuple[int, int, int]], repeats: int, steps: in
 
 
 def chip_peaks() -> tuple[float, float] | None:
-  """`(bf16 FLOP/s, HBM bytes/s)` of device 0 from `CHIP_PEAKS`, or None (e.g. a CPU)."""
-  kind = jax.devices()[0].device_kind
-  for name, peaks in CHIP_PEAKS.items():
-    if name.lower() in kind.lower():
-      return peaks
-  return None
+  """`(bf16 FLOP/s, HBM bytes/s)` of device 0 (`pbsd_jax.parallel.chips`), or None (e.g. a
+  CPU)."""
+  chip = chips.by_kind(jax.devices()[0].device_kind)
+  return None if chip is None else (chip.peak_flops, chip.bandwidth)
 
 
 def tree_bytes(tree: Any) -> int:

@@ -5,8 +5,8 @@ prompts x 8 trajectories, float32 master weights, bfloat16 compute, remat, an HT
 retriever: the host turn loop and the update) is tried with meshes (FSDP over the chips, with
 tensor parallelism of 1 to 8) and micro-batches (4 down to 1 row per device), in that order; the first that fits (`memory_model.estimate` of the update and of the turn loop's
 programs, within the chip's HBM less a margin) is the cell, with its per-device need and the
-step's roofline split (`memory_model.step_seconds`). `--compiled=a.json,b.json`
-(`scripts/aot_compile.py --json`) marks the cells the compiler checked.
+step's roofline split (`memory_model.step_seconds`). `--compiled=qwen2.5-3b@8192=a.json,...`
+(`scripts/aot_compile.py --json` reports) marks the cells the compiler checked.
 
   python benchmarks/tpu_plan.py > /tmp/table.md
 """
@@ -66,23 +66,30 @@ def cell(name: str, buffer: int, topology: str):
         mesh = spec.build_mesh(devices)
       except (NotImplementedError, run_config.ConfigError):
         continue  # an axis the physical torus cannot give
-      tried = need(spec, mesh)[0]
-      if tried <= MARGIN * chip.hbm:
+      total = need(spec, mesh)[0]
+      tried = total if tried is None else min(tried, total)
+      if total <= MARGIN * chip.hbm:
         times = memory_model.step_seconds(spec, mesh, chip.peak_flops, chip.bandwidth)
         return dict(fits=True, mesh=f"fsdp {shards} x tensor {tensor}", micro=micro,
-                    need=tried, hbm=chip.hbm, times=times)
+                    need=total, hbm=chip.hbm, times=times)
   return dict(fits=False, need=tried, hbm=chip.hbm)
 
 
 def main():
   p = argparse.ArgumentParser(description=__doc__)
-  p.add_argument("--compiled", default="", help="scripts/aot_compile.py --json outputs")
+  p.add_argument("--compiled", default="",
+                 help="MODEL@BUFFER=REPORT,...: scripts/aot_compile.py --json reports of cells")
   args = p.parse_args()
   compiled = {}
-  for path in filter(None, args.compiled.split(",")):
+  for item in filter(None, args.compiled.split(",")):
+    label, path = item.split("=", 1)
     with open(path) as f:
       report = json.load(f)
-    compiled[report["topology"], report.get("label", "")] = report
+    fitted = [q for q in report["programs"] if "memory" in q]
+    need = max(q["memory"]["total"] for q in fitted)
+    compiled[report["topology"], label] = (
+        f" (compiled: {len(fitted)} programs, at most {need / (1 << 30):.1f} GiB"
+        + "".join(f"; {r.split(' ')[0]} does not fit" for r in report["refused"]) + ")")
   print("| model | buffer | slice | fits | mesh | micro-batch (rows) | HBM per chip | "
         "rollout s | evidence s | update s |")
   print("|---|---|---|---|---|---|---|---|---|---|")
@@ -91,7 +98,7 @@ def main():
     for buffer in BUFFERS:
       for topology in TOPOLOGIES:
         c = cell(name, buffer, topology)
-        mark = " (compiled)" if (topology, f"{name}@{buffer}") in compiled else ""
+        mark = compiled.get((topology, f"{name}@{buffer}"), "")
         if c["fits"]:
           t = c["times"]
           print(f"| {name} | {buffer // 1024}K | {topology} | yes{mark} | {c['mesh']} | "

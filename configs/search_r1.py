@@ -14,9 +14,11 @@ The model's own tokenizer and chat template are used (`config.model.init_dir`); 
 tags are several tokens there, so turns end and are classified on their text. Paper values:
 32 prompts x 8 trajectories per step, AdamW lr 3e-6 with 8 warm-up steps, rollout temperature 1
 and top-p 1, evaluation top-p 0.95. The context and turn budgets are the fields of `env`
-(the paper's largest runs hold 64K tokens and up to 300 turns; these defaults fit a 3B model's
-rollouts on one host's accelerators). No SFT by default: `sft.steps` with `data.sft_files`
-(JSONL of `question` + `trajectory`) adds one.
+(the paper's largest runs hold 64K tokens and up to 300 turns). These defaults (8K tokens,
+float32 master weights, bfloat16 compute) fit Qwen2.5-3B's training on a v5e-16 (12.6 of 16
+GB per chip, compiled), v5p-32 or v4-64 slice (docs/tpu.md; `scripts/aot_compile.py
+--topology=...` checks a slice before it is rented). No SFT by default: `sft.steps` with `data.sft_files` (JSONL of `question` +
+`trajectory`) adds one.
 """
 
 import os

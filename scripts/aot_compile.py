@@ -5,7 +5,8 @@
       --config.model.name=qwen2.5-3b
 
 Takes every override the run takes. For each program the run executes (the SFT step, the
-one-program RL step or the host turn loop's programs and the update, evaluation's rollout) it
+one-program RL step or the host turn loop's programs and the update, evaluation's rollout
+where the run evaluates: `eval.every`, `eval.sft_every`) it
 prints the TPU compiler's per-device memory against the chip's HBM, the memory model's
 estimate, XLA's cost analysis, the FLOPs and bytes with every loop counted as often as it
 runs (a rollout's loops at their budgets: every turn, every action token), and the roofline

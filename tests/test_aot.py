@@ -15,7 +15,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.xdist_group("aot")
 MICRO = ["--config=configs/pbsd.py", "--topology=v5e-4", "--config.model.name=micro",
-         "--config.sft.steps=2", "--config.rl.micro_batch_size=32", "--config.rl.chunk_size=128"]
+         "--config.sft.steps=2", "--config.rl.micro_batch_size=32", "--config.rl.chunk_size=128",
+         "--config.eval.every=1"]
 
 
 def _compile(tmp_path, *flags):
@@ -75,8 +76,10 @@ def test_loops_count_as_they_run_and_match_xla_once_each(micro):
     unit, cost = p["unit_cost"], p["cost"]
     # Every loop counted once: XLA's own cost analysis.
     assert unit["flops"] == pytest.approx(p["xla_flops"], rel=0.15), p["name"]
-    if p["name"] != "eval_rollout":  # a rollout's bytes: a known gap (docs/tpu.md)
-      assert unit["bytes"] == pytest.approx(p["xla_bytes"], rel=0.4), p["name"]
+    # Bytes are counted per top-level instruction, which XLA's figure is not (docs/tpu.md):
+    # the same order, not the same number (a stacked weight read whole per layer would be
+    # `layers` times more).
+    assert 0.2 < unit["bytes"] / p["xla_bytes"] < 5, p["name"]
     assert cost["flops"] > 2 * unit["flops"], p["name"]
     assert not cost["unknown_loops"], p["name"]
   rl = programs["rl_step"]["cost"]["loops"]

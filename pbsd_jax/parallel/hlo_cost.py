@@ -17,8 +17,9 @@ FLOPs are XLA's conventions: `2 * output * contraction` for a dot or convolution
 element for elementwise arithmetic and reductions. Bytes are what each top-level instruction
 (a fusion, a copy, a collective) reads and writes; a slice of a larger operand (a layer's
 weights out of the stacked layers, a cache row) reads only the slice. With every loop
-counted once the sums track `cost_analysis()`'s `flops` and `bytes accessed`
-(`tests/test_aot.py` checks it). The roofline time sums each computation's own
+counted once the FLOPs track `cost_analysis()`'s `flops` within a few per cent; the bytes
+are of the same order as its `bytes accessed`, not equal (docs/tpu.md;
+`tests/test_aot.py`). The roofline time sums each computation's own
 `max(flops / peak, bytes / bandwidth)` times its count, so a memory-bound decode step and a
 compute-bound update each count at their own bound.
 """

@@ -32,33 +32,16 @@ from pbsd_jax.models import param_shapes
 from pbsd_jax.models.attention.decode import DECODE_BLOCK
 from pbsd_jax.models.attention.flash import tiling
 from pbsd_jax.data.storage import size_text
-from pbsd_jax.parallel import hlo_cost, sharding
+from pbsd_jax.parallel import chips, hlo_cost, sharding
+from pbsd_jax.parallel.chips import Chip
 from pbsd_jax.rl import learner, train_state
 from pbsd_jax.run import memory_model, train
 from pbsd_jax.run.run_config import RunSpec
 from pbsd_jax.run.task import Task, rl_batch, rl_prompts
 
-GiB = 1 << 30
+# TPU generations by the prefix of a slice's name (`v5e-16`).
+CHIPS = chips.TPUS
 
-
-@dataclasses.dataclass(frozen=True)
-class Chip:
-  """One accelerator chip: its `device_kind`, HBM bytes, dense bf16 FLOP/s and HBM bytes/s."""
-
-  kind: str
-  hbm: float
-  peak_flops: float
-  bandwidth: float
-
-
-# TPU generations by the prefix of a slice's name (`v5e-16`); one chip is one JAX device
-# (v4 and v5p as megacores).
-CHIPS = {
-    "v4": Chip("TPU v4", 32 * GiB, 275e12, 1.2e12),
-    "v5e": Chip("TPU v5 lite", 16 * GiB, 197e12, 0.82e12),
-    "v5p": Chip("TPU v5", 95 * GiB, 459e12, 2.76e12),
-    "v6e": Chip("TPU v6 lite", 32 * GiB, 918e12, 1.64e12),
-}
 # Chips per slice -> the physical topology libtpu names (2D torus for the lite chips, 3D else).
 _SHAPES_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
               256: "16x16"}
@@ -222,7 +205,8 @@ def run_programs(spec: RunSpec, task: Task, mesh: Mesh) -> list[Program]:
 
   The SFT step is built for sequences of the whole buffer (`env.buffer_size`), the widest an
   SFT batch can be; the RL step for `rollout.prompts_per_step x grpo.group_size` rows;
-  evaluation for its batch of `min(50, eval.num_examples)` rows.
+  evaluation, where the run evaluates (`eval.every`, `eval.sft_every`), for its batch of
+  `min(50, eval.num_examples)` rows.
   """
   model, env, rl = spec.model, task.env, spec.rl
   rows, whole = sharding.batch_sharding(mesh), sharding.replicated(mesh)
@@ -263,7 +247,7 @@ def run_programs(spec: RunSpec, task: Task, mesh: Mesh) -> list[Program]:
                        {"turn_loop": env.max_turns, **decode}, 1,
                        update_fields + ", model.cache_dtype", estimate("rl_step")))
   else:
-    out += _host_loop(spec, task, agent, state.params, batch, mesh, "rollout", estimate)
+    out += _host_loop(spec, task, agent, state.params, batch, rows, "rollout", estimate)
     update = learner.make_rl_step(model, tx, algo, env.max_turns, plan, mesh=mesh)
     # The host loop's rollout: the episode `_start` begins, finished.
     rollout = jax.eval_shape(
@@ -278,6 +262,8 @@ def run_programs(spec: RunSpec, task: Task, mesh: Mesh) -> list[Program]:
                           batch["teacher_prompt_mask"], teacher), {}, 1, update_fields,
         estimate("rl_update")))
 
+  if not (spec.eval.every or spec.eval.sft_every):
+    return out  # the run never evaluates (scripts/evaluate.py's programs: its own batch)
   eval_rows = min(50, spec.eval.num_examples)
   sampler = spec.sampler("eval").__class__(model, temperature=0.0)
   eval_agent = task.agent(sampler)
@@ -293,10 +279,10 @@ def run_programs(spec: RunSpec, task: Task, mesh: Mesh) -> list[Program]:
                           eval_batch["prompts"], eval_batch["prompt_mask"], key, index,
                           eval_batch["gold"], text=text),
         {"turn_loop": env.max_turns, **decode}, 1, "eval.num_examples, env.buffer_size",
-        estimate("eval", rows=eval_rows)))
+        estimate("eval", rows=eval_rows, split_rows=False)))
   else:
-    out += _host_loop(spec, task, eval_agent, state.params, eval_batch, mesh, "eval",
-                      lambda kind, **kw: estimate(kind, rows=eval_rows))
+    out += _host_loop(spec, task, eval_agent, state.params, eval_batch, whole, "eval",
+                      lambda kind: estimate(kind, rows=eval_rows, split_rows=False))
   return out
 
 
@@ -305,17 +291,18 @@ def _labelled(rollout: Any, batch: dict) -> Any:
   return rollout_lib.label_turns(rollout, batch["gold_docs"]) if "gold_docs" in batch else rollout
 
 
-def _host_loop(spec: RunSpec, task: Task, agent: Any, params: Any, batch: dict, mesh: Mesh,
-               prefix: str, estimate: Callable) -> list[Program]:
-  """The host turn loop's programs (`rollout._start`, `_act`, `_observe`) for `batch`."""
+def _host_loop(spec: RunSpec, task: Task, agent: Any, params: Any, batch: dict,
+               rows: jax.sharding.NamedSharding, prefix: str, estimate: Callable
+               ) -> list[Program]:
+  """The host turn loop's programs (`rollout._start`, `_act`, `_observe`) for `batch`, its
+  rows placed by `rows` (the training batch's over the data axes; evaluation's, made on the
+  host, on every device)."""
   sampler, env = agent.sampler, task.env
   text = agent.tokenizer.text
   budgets = {"decode_loop": env.max_action_tokens,
              "decode_blocks": tiling(env.buffer_size, DECODE_BLOCK)[0]}
   b = batch["prompts"].shape[0]
-  rows = sharding.batch_sharding(mesh) if b % sharding.num_batch_shards(mesh) == 0 else (
-      sharding.replicated(mesh))
-  whole = sharding.replicated(mesh)
+  whole = sharding.replicated(rows.mesh)
   prompts = abstract(batch["prompts"], rows)
   prompt_mask = abstract(batch["prompt_mask"], rows)
   ep = jax.eval_shape(lambda p, x, m: rollout_lib._start(sampler, env, p, x, m), params,

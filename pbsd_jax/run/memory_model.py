@@ -5,8 +5,9 @@ The parts (bytes per device; `rows` are a device's rows: the batch over `data x 
 - `params`, `optimizer`, `teacher`: the train state's arrays in their shardings (exact: the
   shard shapes of `train_state_shardings`), OPSD's frozen copy of the parameters.
 - `gathered`: FSDP gathers each layer's weights in the compute dtype before using them; a
-  layer scan holds about two layers' worth (the one computed, the next one's gather); a
-  rollout, whose decode loop slices every layer once outside the loop, all of them.
+  layer scan (an update, a prefill, an append) holds about two layers' worth (the one
+  computed, the next one's gather); a decode loop, which slices every layer once outside
+  the loop, all of them.
 - `gradients`: the micro-batch's gradient and the mini-batch's sum, float32, in the
   parameters' shardings (one of them on the one-pass plan).
 - `kv_cache`: `rows x buffer x layers x 2 (keys, values) x kv heads / tensor x head dim` in
@@ -17,10 +18,11 @@ The parts (bytes per device; `rows` are a device's rows: the batch over `data x 
   softmax, its gradient), twice per sequence in the evidence pass (the student's and the
   teacher's sequences are scored in the update's micro-batches).
 - `activations`: per layer the saved input of `rows x length x hidden` in the compute dtype
-  (remat), or everything the layer's backward reads (`6 hidden + 2 kv heads x head dim +
-  3 mlp` values per token: flash attention saves no scores); the layer being differentiated
-  (its forward again, the MLP's intermediates and gradients in float32) and three flash
-  tiles of float32 scores (a query block by a key block, every head).
+  (remat), or everything the layer's backward reads (`6 hidden + 2 kv heads x head dim`
+  values per token in the compute dtype, the MLP's `3 mlp` and the residual's `2 hidden` in
+  float32: flash attention saves no scores); the layer being differentiated
+  (its forward again) and three flash tiles of float32 scores (a query block by a key
+  block, every head).
 - Not modelled: the compiled code (tens of MB), collectives' buffers.
 
 A program's need is its state plus the largest of its phases (rollout, evidence pass,
@@ -48,6 +50,10 @@ from pbsd_jax.rl import train_state
 # step holds the cache it was given (donated); the in-graph rollout, whose loops carry the
 # cache through both, 6.
 CACHE_BUFFERS = {"start": 4, "observe": 4, "act": 1, "rl_step": 6, "eval": 6}
+# With a head dim of whole 128-lane tiles both layouts of a head's keys tile alike, and the
+# prefill and append hold half the relayouts (Qwen2.5-3B: 1.9 cache-sized buffers, against 4
+# at a head dim of 64).
+CACHE_BUFFERS_WIDE_HEADS = {**CACHE_BUFFERS, "start": 2, "observe": 2}
 
 
 def _per_device(shapes, shardings, dtype=None) -> float:
@@ -62,14 +68,16 @@ def _split(n: int, ways: int) -> float:
   return n / ways if n % ways == 0 else n
 
 
-def estimate(spec, mesh: Mesh, kind: str, rows: int | None = None) -> dict[str, float]:
+def estimate(spec, mesh: Mesh, kind: str, rows: int | None = None,
+             split_rows: bool = True) -> dict[str, float]:
   """The memory model's parts for a program of `kind` (`sft`, `rl_step`, `rl_update`,
   `eval`, or the host loop's `start`, `act`, `observe`) and their `total`, bytes per device.
 
-  `rows`: the program's batch (default: the stage's).
+  `rows`: the program's batch (default: the stage's); `split_rows=False`: every device holds
+  every row (evaluation, whose batch comes from the host).
   """
   model, env = spec.model, spec.env
-  shards = sharding.num_batch_shards(mesh)
+  shards = sharding.num_batch_shards(mesh) if split_rows else 1
   tensor = mesh.shape["tensor"]
   shapes = param_shapes(model)
   param_sh = param_shardings(model, mesh)
@@ -96,10 +104,13 @@ def estimate(spec, mesh: Mesh, kind: str, rows: int | None = None) -> dict[str, 
 
   def update(n: int, length: int, chunk: int | None, on_policy: bool) -> dict:
     local = _split(n, shards)
-    saved = hidden * compute if model.remat else forward_per_token
-    # The layer being differentiated: its forward again, the MLP's intermediates and their
-    # gradients in float32, three flash tiles (scores, probabilities, their gradient).
-    backward = (6 * hidden + kv) * compute + 4 * mlp * 4
+    # Without remat a layer keeps for its backward its forward's values, the MLP's
+    # intermediates and the residual stream in float32 (as the compiled programs do).
+    saved = (hidden * compute if model.remat
+             else (6 * hidden + kv) * compute + 3 * mlp * 4 + 2 * hidden * 4)
+    # The layer being differentiated: its forward again and three flash tiles (scores,
+    # probabilities, their gradient).
+    backward = forward_per_token
     return {
         "gathered": 2 * layer_weights * compute,
         "gradients": (1 if on_policy else 2) * _per_device(shapes, param_sh, jnp.float32),
@@ -115,8 +126,12 @@ def estimate(spec, mesh: Mesh, kind: str, rows: int | None = None) -> dict[str, 
             "logits": local * min(chunk or buffer, buffer) * vocab * 4 * 2}
 
   def rollout(n: int) -> dict:
-    return {"gathered": layers * layer_weights * compute if mesh.shape["fsdp"] > 1 else 0,
-            "kv_cache": CACHE_BUFFERS[kind] * kv_cache(n),
+    # A decode step's loop slices every layer's weights once, outside it: all of them
+    # gathered; a prefill or an append runs the layer scan: two layers' worth.
+    every_layer = kind in ("act", "rl_step", "eval") and mesh.shape["fsdp"] > 1
+    return {"gathered": (layers if every_layer else 2) * layer_weights * compute,
+            "kv_cache": (CACHE_BUFFERS_WIDE_HEADS if model.resolved_head_dim % 128 == 0
+                         else CACHE_BUFFERS)[kind] * kv_cache(n),
             "logits": _split(n, shards) * vocab * 4 * 3}
 
   state = {"params": params}
