@@ -26,8 +26,8 @@ The parts (bytes per device; `rows` are a device's rows: the batch over `data x 
 - Not modelled: the compiled code (tens of MB), collectives' buffers.
 
 A program's need is its state plus the largest of its phases (rollout, evidence pass,
-update): XLA reuses a phase's temporaries in the next. `tests/test_aot.py` holds the model
-to the TPU compiler's own figures on small configurations, docs/tpu.md on large ones.
+update): XLA reuses a phase's temporaries in the next. docs/tpu.md compares the model with
+the TPU compiler's own figures on 30 programs, from `small` to Qwen3-8B, and names its gaps.
 """
 
 from __future__ import annotations
