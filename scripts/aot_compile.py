@@ -71,14 +71,13 @@ def main(argv):
             f"{storage.size_text(program.estimate['total'])}", flush=True)
       reports.append({"name": program.name, "refused": str(err),
                       "estimate": program.estimate, "fields": program.fields})
-      refused.append(f"{program.name} does not fit a {chip.kind} chip "
-                     f"({storage.size_text(chip.hbm)}): {err}; fields that change it: "
-                     f"{program.fields}")
+      refused.append(aot.too_large(program, chip, str(err)))
       continue
     print(aot.describe(report, chip), flush=True)
     reports.append(report.summary())
     if not report.fits:
-      refused.append(aot.too_large(report, chip))
+      refused.append(aot.too_large(program, chip,
+                                   f"it needs {storage.size_text(report.memory['total'])}"))
   if _JSON.value:
     with storage.replaced(_JSON.value, "w") as f:
       json.dump({"topology": _TOPOLOGY.value, "num_slices": _NUM_SLICES.value,

@@ -9,7 +9,7 @@ it runs:
 - a loop whose condition compares its counter with a constant (`lax.scan`, `fori_loop`)
   runs that many times;
 - a loop whose count depends on the data (`lax.while_loop`: the turn loop, the decode loop)
-  runs as many times as `budgets` says for the first name of `budgets` found in the loop's
+  runs as many times as `budgets` says for the innermost of its names found in the loop's
   op name (`jax.named_scope`), at most; a loop with neither counts once and is listed in
   `Cost.unknown_loops`.
 
@@ -48,7 +48,7 @@ _ELEMENTWISE = {"add", "subtract", "multiply", "divide", "maximum", "minimum", "
                 "exponential", "log", "tanh", "sqrt", "rsqrt", "power", "logistic",
                 "exponential-minus-one", "log-plus-one", "select", "compare", "clamp", "and",
                 "or", "xor", "not", "sign", "floor", "ceil", "round-nearest-even",
-                "remainder", "atan2", "sine", "cosine", "is-finite", "convert", "cbrt"}
+                "remainder", "atan2", "sine", "cosine", "is-finite", "cbrt"}
 _SLICING = {"slice", "dynamic-slice", "gather"}
 # TPU custom calls that reserve or reinterpret a buffer without moving it.
 _VIEWS = ("AllocateBuffer", "ConcatBitcast")
@@ -226,7 +226,7 @@ class _Program:
     for ins in self.computations[computation]:
       if ins.opcode in ("dot", "convolution"):
         total += _dot_flops(ins, shapes)
-      elif ins.opcode in _ELEMENTWISE and ins.opcode != "convert":
+      elif ins.opcode in _ELEMENTWISE:
         total += _elements(ins.shape)
       elif ins.opcode == "reduce":
         total += sum(_elements(shapes.get(o, "")) for o in ins.operands[:len(ins.operands) // 2])
@@ -254,24 +254,21 @@ class _Program:
         total += array_bytes(shapes.get(ins.operands[k], "")) if k < len(ins.operands) else 0
     return total
 
-  def _written(self, ins: _Instruction) -> int:
+  def _written(self, ins: _Instruction, shapes: Mapping[str, str]) -> int:
+    """Bytes an instruction writes: an in-place update (`dynamic-update-slice`, or a fusion
+    rooted in one) writes its update only."""
     if ins.opcode == "fusion":
-      fused = self.computations[_attr(ins.attrs, "calls")]
-      fshapes = self.shapes[_attr(ins.attrs, "calls")]
-      root = fused[-1]
+      called = _attr(ins.attrs, "calls")
+      root = self.computations[called][-1]
       if root.opcode == "dynamic-update-slice":
-        return array_bytes(fshapes.get(root.operands[1], ""))
+        return array_bytes(self.shapes[called].get(root.operands[1], ""))
     if ins.opcode == "dynamic-update-slice":
-      return array_bytes(self.shapes_of(ins.operands[1]))
+      return array_bytes(shapes.get(ins.operands[1], ""))
     return array_bytes(ins.shape)
-
-  def shapes_of(self, name: str) -> str:
-    return self._current.get(name, "")
 
   def bytes(self, computation: str) -> float:
     """Bytes the computation's own top-level instructions read and write."""
     total, shapes = 0.0, self.shapes[computation]
-    self._current = shapes
     for ins in self.computations[computation]:
       if (ins.opcode in _FREE or ins.opcode.endswith("-done")
           or (ins.opcode == "custom-call" and any(v in ins.attrs for v in _VIEWS))):
@@ -290,7 +287,7 @@ class _Program:
         reads = array_bytes(shapes.get(ins.operands[1], ""))
       else:
         reads = sum(array_bytes(shapes.get(o, "")) for o in ins.operands)
-      total += reads + self._written(ins)
+      total += reads + self._written(ins, shapes)
     return total
 
   def trip_count(self, ins: _Instruction) -> int | None:

@@ -200,11 +200,21 @@ def constrain_rows(x: jax.Array, axis: int = 0, like: jax.Array | None = None,
   mesh = jax.typeof(x if like is None else like).sharding.mesh
   if mesh.empty or x.ndim <= axis:
     return x
-  axes = tuple(a for a in _rule_axes(rules, "batch") if mesh.shape.get(a, 1) > 1)
-  if not axes or x.shape[axis] % math.prod(mesh.shape[a] for a in axes):
+  axes = row_axes(mesh, x.shape[axis], rules)
+  if axes is None:
     return x
   return jax.lax.with_sharding_constraint(
       x, NamedSharding(mesh, PartitionSpec(*[None] * axis, axes)))
+
+
+def row_axes(mesh: Any, rows: int, rules=RULES) -> tuple[str, ...] | None:
+  """The mesh axes (of a `Mesh` or the `AbstractMesh` a program is traced on) that `rows`
+  rows split over: the rule of `batch`'s axes of size > 1; None where there are none or the
+  rows do not divide over them."""
+  axes = tuple(a for a in _rule_axes(rules, "batch") if mesh.shape.get(a, 1) > 1)
+  if not axes or rows % math.prod(mesh.shape[a] for a in axes):
+    return None
+  return axes
 
 
 def num_batch_shards(mesh: Mesh, rules=RULES) -> int:

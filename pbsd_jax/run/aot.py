@@ -32,6 +32,7 @@ from pbsd_jax.models import param_shapes
 from pbsd_jax.models.attention.decode import DECODE_BLOCK
 from pbsd_jax.models.attention.flash import tiling
 from pbsd_jax.data.storage import size_text
+from pbsd_jax.generate.sampling import Sampler
 from pbsd_jax.parallel import chips, hlo_cost, sharding
 from pbsd_jax.parallel.chips import Chip
 from pbsd_jax.rl import learner, train_state
@@ -74,17 +75,17 @@ def topology(name: str, num_slices: int = 1) -> tuple[list, Chip]:
   if generation not in CHIPS:
     raise ValueError(f"--topology={name!r}: unknown TPU generation {generation!r} "
                      f"(known: {sorted(CHIPS)})")
+  cores = 2 if generation in ("v4", "v5p") else 1  # named by TensorCores, two per chip
   if shape is None:
-    table = _SHAPES_3D if generation in ("v4", "v5p") else _SHAPES_2D
-    chips = count // 2 if generation in ("v4", "v5p") else count
-    if chips not in table:
+    table = _SHAPES_3D if cores == 2 else _SHAPES_2D
+    if count // cores not in table:
       raise ValueError(f"--topology={name!r}: no {generation} slice of {count} "
-                       f"{'TensorCores' if generation in ('v4', 'v5p') else 'chips'} "
-                       f"(sizes: {sorted(k * (2 if generation in ('v4', 'v5p') else 1) for k in table)})")
-    shape = table[chips]
+                       f"{'TensorCores' if cores == 2 else 'chips'} "
+                       f"(sizes: {sorted(k * cores for k in table)})")
+    shape = table[count // cores]
   from jax.experimental import topologies
   _quiet_libtpu()
-  kwargs = {"chip_config_name": "megacore"} if generation in ("v4", "v5p") else {}
+  kwargs = {"chip_config_name": "megacore"} if cores == 2 else {}
   if math.prod(int(n) for n in shape.split("x")) < 4:  # a host of one chip
     kwargs["chips_per_host_bounds"] = (1, 1, 1)
   try:
@@ -210,10 +211,7 @@ def run_programs(spec: RunSpec, task: Task, mesh: Mesh) -> list[Program]:
   """
   model, env, rl = spec.model, task.env, spec.rl
   rows, whole = sharding.batch_sharding(mesh), sharding.replicated(mesh)
-  # The decode loop runs at most its action budget per turn; each step's attention reads
-  # the cache's blocks up to the fullest row's slot, at most all of them.
-  decode = {"decode_loop": env.max_action_tokens,
-            "decode_blocks": tiling(env.buffer_size, DECODE_BLOCK)[0]}
+  decode = _decode_budgets(env)
   out = []
   estimate = lambda kind, **kw: memory_model.estimate(spec, mesh, kind, **kw)
 
@@ -265,7 +263,7 @@ def run_programs(spec: RunSpec, task: Task, mesh: Mesh) -> list[Program]:
   if not (spec.eval.every or spec.eval.sft_every):
     return out  # the run never evaluates (scripts/evaluate.py's programs: its own batch)
   eval_rows = min(50, spec.eval.num_examples)
-  sampler = spec.sampler("eval").__class__(model, temperature=0.0)
+  sampler = Sampler(model, temperature=0.0)  # greedy, as `train.validation_accuracy`
   eval_agent = task.agent(sampler)
   eval_batch = {k: jax.ShapeDtypeStruct((eval_rows, *v.shape[1:]), v.dtype, sharding=whole)
                 for k, v in batch.items() if k in ("prompts", "prompt_mask", "gold")}
@@ -286,6 +284,13 @@ def run_programs(spec: RunSpec, task: Task, mesh: Mesh) -> list[Program]:
   return out
 
 
+def _decode_budgets(env: Any) -> dict:
+  """The decode loop runs at most its action budget per turn; each step's attention reads
+  the cache's blocks up to the fullest row's slot, at most all of them."""
+  return {"decode_loop": env.max_action_tokens,
+          "decode_blocks": tiling(env.buffer_size, DECODE_BLOCK)[0]}
+
+
 def _labelled(rollout: Any, batch: dict) -> Any:
   """`rollout` with its turns labelled where the batch has a gold chain (`Agent.rollout`)."""
   return rollout_lib.label_turns(rollout, batch["gold_docs"]) if "gold_docs" in batch else rollout
@@ -299,8 +304,6 @@ def _host_loop(spec: RunSpec, task: Task, agent: Any, params: Any, batch: dict,
   host, on every device)."""
   sampler, env = agent.sampler, task.env
   text = agent.tokenizer.text
-  budgets = {"decode_loop": env.max_action_tokens,
-             "decode_blocks": tiling(env.buffer_size, DECODE_BLOCK)[0]}
   b = batch["prompts"].shape[0]
   whole = sharding.replicated(rows.mesh)
   prompts = abstract(batch["prompts"], rows)
@@ -327,7 +330,7 @@ def _host_loop(spec: RunSpec, task: Task, agent: Any, params: Any, batch: dict,
           fields, estimate("start")),
       Program(f"{prefix}_act", functools.partial(
           rollout_lib._act.lower, sampler, env, params, ep, key, turn, text=text),
-          budgets, env.max_turns, fields, estimate("act")),
+          _decode_budgets(env), env.max_turns, fields, estimate("act")),
       Program(f"{prefix}_observe", functools.partial(
           rollout_lib._observe.lower, sampler, env, params, ep, kind, turn, docs, lengths,
           flags, kind), {}, env.max_turns, fields, estimate("observe")),
@@ -361,8 +364,7 @@ def analyse(program: Program, chip: Chip) -> Report:
   memory = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
             "alias": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes,
             "code": m.generated_code_size_in_bytes}
-  memory["total"] = (memory["argument"] + memory["output"] - memory["alias"] + memory["temp"]
-                     + memory["code"])
+  memory["total"] = train.program_bytes(compiled)
   xla = compiled.cost_analysis()
   xla = xla[0] if isinstance(xla, (list, tuple)) else xla
   hlo = compiled.as_text()
@@ -376,11 +378,11 @@ def analyse(program: Program, chip: Chip) -> Report:
                 memory["total"] <= chip.hbm, unit, calls, program)
 
 
-def too_large(report: Report, chip: Chip) -> str:
-  """The one line of a program that does not fit the chip."""
-  p = report.program
-  return (f"{p.name} needs {size_text(report.memory['total'])} per {chip.kind} chip, which "
-          f"has {size_text(chip.hbm)}; fields that change it: {p.fields}")
+def too_large(program: Program, chip: Chip, need: str) -> str:
+  """The one line of a program that does not fit the chip; `need` says by how much (its
+  total, or the compiler's own refusal)."""
+  return (f"{program.name} does not fit a {chip.kind} chip ({size_text(chip.hbm)}): {need}; "
+          f"fields that change it: {program.fields}")
 
 
 def describe(report: Report, chip: Chip) -> str:
@@ -411,12 +413,3 @@ def describe(report: Report, chip: Chip) -> str:
     lines.append(f"  loops without a known count (counted once): {len(c.unknown_loops)}")
   return "\n".join(lines)
 
-
-def per_device_bytes(tree: Any) -> float:
-  """Bytes one device holds of a tree of abstract arrays with shardings (the most any device
-  holds of each leaf)."""
-  total = 0.0
-  for leaf in jax.tree.leaves(tree):
-    shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
-    total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
-  return total

@@ -108,13 +108,12 @@ def estimate(spec, mesh: Mesh, kind: str, rows: int | None = None,
     # intermediates and the residual stream in float32 (as the compiled programs do).
     saved = (hidden * compute if model.remat
              else (6 * hidden + kv) * compute + 3 * mlp * 4 + 2 * hidden * 4)
-    # The layer being differentiated: its forward again and three flash tiles (scores,
+    # Plus the layer being differentiated: its forward again and three flash tiles (scores,
     # probabilities, their gradient).
-    backward = forward_per_token
     return {
         "gathered": 2 * layer_weights * compute,
         "gradients": (1 if on_policy else 2) * _per_device(shapes, param_sh, jnp.float32),
-        "activations": (local * length * (layers * saved + backward)
+        "activations": (local * length * (layers * saved + forward_per_token)
                         + 3 * tile(local, length)),
         "logits": local * min(chunk or length, length) * vocab * 4 * 3,
     }

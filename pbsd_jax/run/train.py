@@ -84,6 +84,19 @@ def fitted(program: Any, args: tuple, name: str, fields: str, limit: int | None 
   return compiled
 
 
+def fitted_at_first_call(program: Any, name: str, fields: str) -> Callable:
+  """`program`, checked by `fitted` on the arguments of its first call (the run's own first
+  batch), then run as the program `fitted` returned."""
+  checked = []
+
+  def call(*args):
+    if not checked:
+      checked.append(fitted(program, args, name, fields))
+    return checked[0](*args)
+
+  return call
+
+
 # The fields that change each program's memory, named when it does not fit.
 SFT_FIELDS = "sft.batch_size, env.buffer_size, model.remat, model.param_dtype, rl.chunk_size"
 RL_FIELDS = ("rl.micro_batch_size, rl.chunk_size, model.remat, rollout.prompts_per_step, "
@@ -158,11 +171,8 @@ def sft_stage(spec: RunSpec, task: Task, workdir: str, log: MetricLog, mesh: Mes
           f"config.sft.teacher_fraction={sft.teacher_fraction}: the teacher prompt "
           "needs each SFT record's golden_answers")
     rows, teacher_rows, sequences = _local_sft_sequences(spec, task, records, mesh)
-    step_fn = learner.make_sft_step(model, tx, sft.plan, mesh=mesh)
-    first = sharding.shard_process_local_batch(
-        _sft_rows(sequences, rows[int(state.step)], teacher_rows[int(state.step)]), mesh,
-        sft.batch_size)
-    step_fn = fitted(step_fn, (state, *first), "the SFT step", SFT_FIELDS)
+    step_fn = fitted_at_first_call(learner.make_sft_step(model, tx, sft.plan, mesh=mesh),
+                                   "the SFT step", SFT_FIELDS)
     with checkpoint.PreemptionGuard() as guard:
       for step in progress(range(int(state.step), steps), desc="sft", initial=int(state.step),
                            total=steps):
@@ -299,41 +309,27 @@ def make_rl_iteration(agent: Agent, model: ModelConfig, tx: optax.GradientTransf
 
 
 def rl_step_fn(agent: Agent, model: ModelConfig, tx: optax.GradientTransformation, algo: Any,
-               plan: learner.UpdatePlan, mesh: Mesh, teacher_params: Any = None,
-               example: tuple | None = None) -> Callable:
+               plan: learner.UpdatePlan, mesh: Mesh, teacher_params: Any = None) -> Callable:
   """The loop's RL step, `step(state, batch, group_ids, golden_answers) -> (state, rollout,
   metrics)`: one program (`make_rl_iteration`) for an in-graph agent, else the host rollout
-  followed by the jitted update (`learner.make_rl_step`).
-
-  With `example`, a first step's `(state, batch, group_ids)`, the one program is compiled for
-  it up front and refused in one line when it does not fit the device (`fitted`); the host
-  loop's update is, at its first call.
-  """
+  followed by the jitted update (`learner.make_rl_step`). At its first call that program (the
+  host loop's update) is compiled and refused in one line when it does not fit the device
+  (`fitted_at_first_call`)."""
+  teacher = () if teacher_params is None else (teacher_params,)
   if agent.in_graph:
-    program = make_rl_iteration(agent, model, tx, algo, plan, mesh)
+    program = fitted_at_first_call(make_rl_iteration(agent, model, tx, algo, plan, mesh),
+                                   "the RL step", RL_FIELDS)
     search = (agent.search, agent.tokenizer.text)
-    if example is not None:
-      state, batch, group_ids = example
-      args = (state, search, batch, group_ids) + (() if teacher_params is None else
-                                                 (teacher_params,))
-      compiled = fitted(program, args, "the RL step", RL_FIELDS)
-      if compiled is not program:
-        return lambda state, batch, group_ids, golden_answers: compiled(
-            state, search, batch, group_ids, *args[4:])
     return lambda state, batch, group_ids, golden_answers: program(
-        state, search, batch, group_ids, teacher_params)
-  update = learner.make_rl_step(model, tx, algo, agent.env.max_turns, plan, mesh=mesh)
+        state, search, batch, group_ids, *teacher)
+  update = fitted_at_first_call(
+      learner.make_rl_step(model, tx, algo, agent.env.max_turns, plan, mesh=mesh),
+      "the RL update", RL_FIELDS)
   # The host loop's arrays come back wherever its jitted pieces left them; the update takes
   # the rollout's rows where the batch's are.
   rows = sharding.batch_sharding(mesh)
-  checked = []
-
-  def placed(state, rollout, teacher_prompt, teacher_prompt_mask, teacher_params):
-    args = (state, jax.device_put(rollout, rows), teacher_prompt, teacher_prompt_mask) + (
-        () if teacher_params is None else (teacher_params,))
-    if example is not None and not checked:
-      checked.append(fitted(update, args, "the RL update", RL_FIELDS))
-    return (checked[0] if checked else update)(*args)
+  placed = lambda state, rollout, prompt, prompt_mask, _: update(
+      state, jax.device_put(rollout, rows), prompt, prompt_mask, *teacher)
   return lambda state, batch, group_ids, golden_answers: rl_iteration(
       agent, placed, state, batch, group_ids, teacher_params, golden_answers)
 
@@ -428,13 +424,11 @@ def rl_stage(spec: RunSpec, task: Task, params: Any, workdir: str, log: MetricLo
   counters = None if agent.in_graph else getattr(agent.search, "metrics", None)
   state = fresh_state(params, tx, model, mesh, spec.seed + 1)
   teacher_params = jax.tree.map(jnp.copy, params) if algo.distillation_beta is not None else None
+  iteration = rl_step_fn(agent, model, tx, algo, plan, mesh, teacher_params)
 
   with _checkpointer(spec, workdir, "ckpt_rl") as ckpt, \
       checkpoint.PreemptionGuard() as guard:
     state = _resume(ckpt, state, log, "rl", force_resume)
-    _, batch, group_ids = rl_inputs(task, spec, int(state.step), mesh)
-    iteration = rl_step_fn(agent, model, tx, algo, plan, mesh, teacher_params,
-                           example=(state, batch, group_ids))
     log.drop_after("eval", int(state.step))
     if int(state.step) == 0:
       _log_validation(spec, task, state.params, log, 0)

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from pbsd_jax.parallel import sharding
+
 Array = jax.Array
 
 
@@ -30,9 +32,7 @@ def splash_attention(q: Array, keys: Array, values: Array, mask: Array,
   mesh = jax.typeof(q).sharding.mesh
   if mesh.empty or mesh.size == 1:
     return _splash_block(q, keys, values, mask, interpret)
-  size = lambda axes: math.prod(mesh.shape[a] for a in axes)
-  rows = tuple(a for a in ("data", "fsdp") if mesh.shape.get(a, 1) > 1)
-  rows = rows if rows and q.shape[0] % size(rows) == 0 else None
+  rows = sharding.row_axes(mesh, q.shape[0])
   heads = "tensor" if (mesh.shape.get("tensor", 1) > 1
                        and q.shape[2] % mesh.shape["tensor"] == 0) else None
   spec_q, spec_kv = P(rows, None, heads), P(rows, heads)
