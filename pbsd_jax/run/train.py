@@ -62,7 +62,7 @@ def program_bytes(compiled: Any) -> int:
 
 def fitted(program: Any, args: tuple, name: str, fields: str, limit: int | None = None
            ) -> Callable:
-  """`program` (jitted) compiled for `args` before the first step, refused in one line when
+  """`program` (jitted) compiled for `args` before it runs, refused in one line when
   it needs more than `limit` bytes per device (default: `device_memory()`), instead of an
   out-of-memory error mid-step. Returns the compiled program, called as `program` is; where
   the device reports no memory and no `limit` is given, `program` itself (nothing compiles
