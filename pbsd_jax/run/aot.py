@@ -363,7 +363,9 @@ def analyse(program: Program, chip: Chip) -> Report:
   m = compiled.memory_analysis()
   memory = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
             "alias": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes,
-            "code": m.generated_code_size_in_bytes}
+            "code": m.generated_code_size_in_bytes,
+            # The compiler's own peak of live bytes, before its code generation's additions.
+            "peak": getattr(m, "peak_memory_in_bytes", 0)}
   memory["total"] = train.program_bytes(compiled)
   xla = compiled.cost_analysis()
   xla = xla[0] if isinstance(xla, (list, tuple)) else xla
@@ -399,7 +401,8 @@ def describe(report: Report, chip: Chip) -> str:
       f"({100 * m['total'] / chip.hbm:.0f}%){'' if report.fits else '  DOES NOT FIT'}",
       f"  arguments {size_text(m['argument'])}, outputs {size_text(m['output'])} "
       f"(aliased {size_text(m['alias'])}), temporaries {size_text(m['temp'])}, "
-      f"code {size_text(m['code'])}",
+      f"code {size_text(m['code'])}"
+      + (f"; live peak {size_text(m['peak'])}" if m.get("peak") else ""),
       f"  memory model: {size_text(e['total'])} "
       f"({', '.join(f'{k} {size_text(v)}' for k, v in e.items() if k != 'total' and v)})",
       f"  XLA cost analysis (loop bodies once): {report.xla_flops:.3g} FLOP, "

@@ -5,9 +5,9 @@ The parts (bytes per device; `rows` are a device's rows: the batch over `data x 
 - `params`, `optimizer`, `teacher`: the train state's arrays in their shardings (exact: the
   shard shapes of `train_state_shardings`), OPSD's frozen copy of the parameters.
 - `gathered`: FSDP gathers each layer's weights in the compute dtype before using them; a
-  layer scan (an update, a prefill, an append) holds about two layers' worth (the one
-  computed, the next one's gather); a decode loop, which slices every layer once outside
-  the loop, all of them.
+  layer scan (an update, a prefill, an append, a decode step) holds about two layers' worth
+  (the one computed, the next one's gather); the in-graph rollout's decode loop, which slices
+  every layer once outside the loop, all of them.
 - `gradients`: the micro-batch's gradient and the mini-batch's sum, float32, in the
   parameters' shardings (one of them on the one-pass plan).
 - `kv_cache`: `rows x buffer x layers x 2 (keys, values) x kv heads / tensor x head dim` in
@@ -50,10 +50,9 @@ from pbsd_jax.rl import train_state
 # step holds the cache it was given (donated); the in-graph rollout, whose loops carry the
 # cache through both, 6.
 CACHE_BUFFERS = {"start": 4, "observe": 4, "act": 1, "rl_step": 6, "eval": 6}
-# With a head dim of whole 128-lane tiles both layouts of a head's keys tile alike, and the
-# prefill and append hold half the relayouts (Qwen2.5-3B: 1.9 cache-sized buffers, against 4
-# at a head dim of 64).
-CACHE_BUFFERS_WIDE_HEADS = {**CACHE_BUFFERS, "start": 2, "observe": 2}
+# With a head dim of whole 128-lane tiles (Qwen2.5-3B, Qwen3-8B) every turn program of the
+# host loop holds the cache and half of it again (1.5-1.6 cache-sized buffers, 8K to 64K).
+CACHE_BUFFERS_WIDE_HEADS = {**CACHE_BUFFERS, "start": 1.5, "observe": 1.5, "act": 1.5}
 
 
 def _per_device(shapes, shardings, dtype=None) -> float:
@@ -125,9 +124,10 @@ def estimate(spec, mesh: Mesh, kind: str, rows: int | None = None,
             "logits": local * min(chunk or buffer, buffer) * vocab * 4 * 2}
 
   def rollout(n: int) -> dict:
-    # A decode step's loop slices every layer's weights once, outside it: all of them
-    # gathered; a prefill or an append runs the layer scan: two layers' worth.
-    every_layer = kind in ("act", "rl_step", "eval") and mesh.shape["fsdp"] > 1
+    # The in-graph rollout's decode loop slices every layer's weights once, outside it: all
+    # of them gathered; a prefill, an append and the host loop's decode step gather layer
+    # by layer: two layers' worth.
+    every_layer = kind in ("rl_step", "eval") and mesh.shape["fsdp"] > 1
     return {"gathered": (layers if every_layer else 2) * layer_weights * compute,
             "kv_cache": (CACHE_BUFFERS_WIDE_HEADS if model.resolved_head_dim % 128 == 0
                          else CACHE_BUFFERS)[kind] * kv_cache(n),
