@@ -8,6 +8,8 @@ The algorithm sections take their defaults from the algorithms themselves
 `grpo.norm_len`, `grpo.overlong_max_len`) so every field has a type the command line can parse.
 """
 
+import dataclasses
+
 import ml_collections
 
 from pbsd_jax.data import oracle, splits, world
@@ -36,18 +38,23 @@ def get_config() -> ml_collections.ConfigDict:
   # `question`, `golden_answers`): `train_files`, `eval_files`, and `sft_files` (JSONL of
   # `question` + `trajectory` text). `corpus`: a corpus JSONL (`id`, `contents`) for the
   # ingraph/host/bm25s retrievers (default: the embedded corpus). `chat_template`: render
-  # prompts with the init_dir model's chat template. The embedded task's generator:
-  # `family_rate` (the share of names with confusable variants), `detour_share` (the share of
-  # SFT trajectories that take one sloppy search first) and `hop_weights` (the in-domain
-  # sampling weights of 1, 2, ... hops); a made `dir` must hold a dataset made with them.
-  c.data = ml_collections.ConfigDict(dict(dir="", make_if_missing=True, data_seed=0,
-                                          family_rate=world.WorldSizes.family_rate,
-                                          detour_share=oracle.DETOUR_SHARE,
-                                          hop_weights=splits.SplitSizes.hop_weights,
-                                          prompt_width=72, gold_width=12,
-                                          prompt_template="default", train_files="",
-                                          eval_files="", sft_files="", corpus="",
-                                          chat_template=True))
+  # prompts with the init_dir model's chat template. The embedded task's generator
+  # (pbsd_jax/data; a made `dir` must hold a dataset made with these):
+  # - `world`: entity counts and `family_rate`, the share of names with confusable variants.
+  # - `splits`: question counts per split, `hop_weights` (the in-domain sampling weights of 1,
+  #   2, ... hops) and `ood_hard_hops` (the hard OOD tier's chain length).
+  # - `oracle`: the SFT trajectories' mistakes: `detour_share` (the share that takes one
+  #   sloppy search and recovers), `slip_rate` (per hop, the chance of searching a confusable
+  #   neighbour; 0: never), `recover_rate` (the chance a slip is noticed; otherwise the
+  #   trajectory follows the wrong entity and answers wrong), `max_slips` per trajectory.
+  c.data = ml_collections.ConfigDict(dict(
+      dir="", make_if_missing=True, data_seed=0,
+      world=dataclasses.asdict(world.WorldSizes()),
+      splits={k: v for k, v in dataclasses.asdict(splits.SplitSizes()).items()
+              if k != "heldout_bigrams"},
+      oracle=dict(detour_share=oracle.DETOUR_SHARE, **dataclasses.asdict(oracle.Slips())),
+      prompt_width=72, gold_width=12, prompt_template="default", train_files="",
+      eval_files="", sft_files="", corpus="", chat_template=True))
 
   # Environment: `retriever` is "ingraph" (a device BM25 index, whole step in one jit), "host"
   # (the same index through the host turn loop), "bm25s" (a host bm25s index: `index_dir` from

@@ -35,12 +35,13 @@ def load_spec(name, *overrides, num_devices=1):
   return train.validate(load(name, *overrides), num_devices)
 
 
-@pytest.mark.parametrize("name", ["grpo", "pbsd", "opsd", "rlsd", "gear", "demo"])
+@pytest.mark.parametrize("name", ["grpo", "pbsd", "opsd", "rlsd", "gear", "demo",
+                                  "long_horizon"])
 def test_every_config_loads_validates_and_names_its_algorithm(name):
   config = load(name)
   train.validate(config, num_devices=1)
   algo = train.build_algorithm(config)
-  assert algo.name == (name if name != "demo" else "pbsd")
+  assert algo.name == (name if name not in ("demo", "long_horizon") else "pbsd")
 
 
 def test_pbsd_config_holds_the_papers_hyperparameters():
@@ -107,9 +108,13 @@ def test_command_line_overrides_reach_the_algorithm():
     ("--config.rl.save_rollouts=-1", "config.rl.save_rollouts"),
     ("--config.pbsd.replay_routing=True", "config.pbsd.replay_routing"),  # a dense model
     ("--config.env.index=csr", "config.env.index"),
-    ("--config.data.detour_share=1.5", "config.data.detour_share"),
-    ("--config.data.family_rate=-0.1", "config.data.family_rate"),
-    ("--config.data.hop_weights=(0.2,0.2,0.2,0.2,0.2)", "config.data.hop_weights"),
+    ("--config.data.oracle.detour_share=1.5", "config.data.oracle.detour_share"),
+    ("--config.data.oracle.slip_rate=1.5", "config.data.oracle.slip_rate"),
+    ("--config.data.oracle.max_slips=-1", "config.data.oracle.max_slips"),
+    ("--config.data.world.family_rate=-0.1", "config.data.world.family_rate"),
+    ("--config.data.world.people=321", "config.data.world.people"),
+    ("--config.data.splits.hop_weights=(0.5,-0.1)", "config.data.splits.hop_weights"),
+    ("--config.data.splits.ood_hard_hops=4", "config.data.splits.ood_hard_hops"),
     # The retrieval client's settings, whichever retriever is chosen.
     ("--config.env.timeout_s=0.0", "config.env.timeout_s"),
     ("--config.env.max_retries=-1", "config.env.max_retries"),

@@ -57,7 +57,9 @@ def test_script_writes_the_same_bytes_as_the_library(first, tmp_path):
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   result = subprocess.run(
       [sys.executable, os.path.join(repo, "scripts", "make_data.py"), f"--out={out}",
-       "--people=120", "--sft=300", "--ood_per_tier=20", "--ood_pool=90", "--seed=0"],
+       "--config.data.world.people=120", "--config.data.splits.sft=300",
+       "--config.data.splits.ood_per_tier=20", "--config.data.splits.ood_pool=90",
+       "--config.data.data_seed=0"],
       capture_output=True, text=True, timeout=300, check=False)
   assert result.returncode == 0, result.stderr[-2000:]
   assert sorted(os.listdir(out)) == sorted(_FILES)

@@ -1,4 +1,5 @@
-"""Oracle trajectories: exact-title queries along the gold chain, detours, protocol form."""
+"""Oracle trajectories: exact-title queries along the gold chain, detours, slips, protocol
+form, horizon statistics."""
 
 import re
 
@@ -29,7 +30,7 @@ def test_hand_written_two_hop_trajectory(world):
   person = world.of_type("person")[0]
   q = questions.make_question(world, person, ("works_for", "headquartered_in"))
   p, org, city = q.chain_names
-  assert oracle.oracle_turns(world, q) == (
+  assert oracle.oracle_turns(world, q)[0] == (
       oracle.Turn(f"<think> I need the employer of {p}. </think><search> {p} </search>", p,
                   q.chain[0]),
       oracle.Turn(f"<think> The employer is {org}. I need its headquarters. </think>"
@@ -123,3 +124,105 @@ def test_sft_record_lists_are_parallel(trajectories):
   record = trajectories[0].to_record()
   assert len(record["actions"]) == len(record["gold_doc_ids"]) == len(record["detour_turns"])
   assert record["question"] == trajectories[0].question.question
+
+
+def _two_hop_with_neighbours(world):
+  """A works_for / headquartered_in question whose person has a confusable neighbour whose
+  employer's headquarters differ (a derailment then answers wrong)."""
+  for person in world.of_type("person"):
+    for other in world.neighbours(person):
+      if (world.walk(other, ("works_for", "headquartered_in"))[-1]
+          != world.walk(person, ("works_for", "headquartered_in"))[-1]):
+        return questions.make_question(world, person, ("works_for", "headquartered_in")), other
+  raise AssertionError("no such person")
+
+
+def test_a_recovered_slip_costs_one_turn_and_keeps_the_chain(world):
+  q, other = _two_hop_with_neighbours(world)
+  p, org, city = q.chain_names
+  wrong = world.entities[other].name
+  turns, slips = oracle.oracle_turns(world, q, slip=lambda k, e: (other, True) if k == 0 else None)
+  assert slips == ((0, True),)
+  assert [t.action for t in turns] == [
+      f"<think> I need the employer of {p}. </think><search> {wrong} </search>",
+      f"<think> These results are about {wrong}, not {p}. </think><search> {p} </search>",
+      f"<think> The employer is {org}. I need its headquarters. </think><search> {org} </search>",
+      f"<think> The headquarters is {city}. </think><answer> {city} </answer>"]
+  assert [t.detour for t in turns] == [True, False, False, False]
+  assert [t.gold_doc_id for t in turns] == [other, q.chain[0], q.chain[1], None]
+
+
+def test_a_derailed_trajectory_follows_the_neighbour_and_answers_wrong(world):
+  q, other = _two_hop_with_neighbours(world)
+  p = q.chain_names[0]
+  wrong = world.entities[other].name
+  _, org2, city2 = world.walk(other, q.relations)
+  org_name, city_name = world.entities[org2].name, world.entities[city2].name
+  turns, slips = oracle.oracle_turns(world, q, slip=lambda k, e: (other, False) if k == 0 else None)
+  trajectory = oracle.Trajectory(q, turns, slips)
+  assert trajectory.derailed and city_name not in q.golden_answers
+  assert [t.action for t in turns] == [
+      f"<think> I need the employer of {p}. </think><search> {wrong} </search>",
+      f"<think> The employer is {org_name}. I need its headquarters. </think>"
+      f"<search> {org_name} </search>",
+      f"<think> The headquarters is {city_name}. </think><answer> {city_name} </answer>"]
+  assert trajectory.to_record()["derailed"] is True
+
+
+def test_slip_rates_and_the_cap_hold_over_many_trajectories():
+  world = world_lib.make_world(1, world_lib.WorldSizes(family_rate=1.0))
+  qs = splits_lib.make_splits(world, 1)["sft"]
+  slips = oracle.Slips(slip_rate=0.3, recover_rate=0.5, max_slips=2)
+  trajectories = oracle.oracle_trajectories(world, qs, detour_share=0.0, seed=1, slips=slips)
+  eligible = taken = recovered = 0
+  for t in trajectories:
+    assert len(t.slips) <= 2 and [k for k, _ in t.slips] == sorted({k for k, _ in t.slips})
+    # Replay the walk: each hop's entity is the one its (last) search names, and the answer
+    # is the last searched entity's fact.
+    searched = [turn.gold_doc_id for turn in t.turns[:-1]]
+    slipped = dict(t.slips)
+    entity, i = t.question.chain[0], 0
+    for k, relation in enumerate(t.question.relations):
+      cap_left = sum(1 for h in slipped if h < k) < 2
+      eligible += bool(world.neighbours(entity)) and cap_left
+      if k in slipped:
+        taken += 1
+        recovered += slipped[k]
+        assert searched[i] in world.neighbours(entity)
+        i += 1
+        if not slipped[k]:
+          entity = searched[i - 1]
+      if k not in slipped or slipped[k]:
+        assert searched[i] == entity
+        i += 1
+      entity = world.follow(entity, relation)
+    answer = world.entities[entity].name
+    assert t.actions[-1].endswith(f"<answer> {answer} </answer>")
+    assert (answer in t.question.golden_answers) == (entity == t.question.chain[-1])
+    assert t.derailed == (not all(slipped.values()))
+  assert abs(taken / eligible - 0.3) < 0.03, (taken, eligible)
+  assert abs(recovered / taken - 0.5) < 0.05, (recovered, taken)
+
+
+def test_horizon_statistics_by_hand(world):
+  q, other = _two_hop_with_neighbours(world)
+  q1 = questions.make_question(world, world.of_type("person")[1], ("born_in",))
+  trajectories = [
+      oracle.Trajectory(q, *oracle.oracle_turns(world, q, slip=lambda k, e: (other, True)
+                                                if k == 0 else None)),
+      oracle.Trajectory(q, *oracle.oracle_turns(world, q, slip=lambda k, e: (other, False)
+                                                if k == 0 else None)),
+      oracle.Trajectory(q1, *oracle.oracle_turns(world, q1)),
+  ]
+  h = oracle.horizon(trajectories)
+  # Turns 4, 3, 2; searches 3, 2, 1; hop 0 slipped in 2 of 3, hop 1 in 0 of 2.
+  assert h["trajectories"] == 3 and h["hops"] == {1: 1, 2: 2}
+  assert h["turns"] == {"mean": 3.0, "max": 4} and h["searches"] == {"mean": 2.0, "max": 3}
+  assert h["slip_rate_by_hop"] == [2 / 3, 0.0]
+  assert (h["slips"], h["recovered"]) == (2, 1)
+  assert h["derailed"] == 1 / 3 and h["answers_right"] == 2 / 3 and h["detoured"] == 0.0
+
+
+def test_the_default_oracle_does_not_slip(trajectories):
+  assert all(not t.slips and not t.derailed for t in trajectories)
+  assert oracle.horizon(trajectories)["answers_right"] == 1.0

@@ -147,3 +147,22 @@ def test_hard_tier_must_be_longer_than_in_domain_chains():
 def test_heldout_bigram_must_compose():
   with pytest.raises(ValueError, match="cannot follow"):
     splits_lib.SplitSizes(heldout_bigrams=(("born_in", "works_for"),))
+
+
+def test_long_horizon_splits_draw_the_configured_hops():
+  """configs/long_horizon.py's shape at test size: 4-8 hops in domain, a 10-hop hard tier,
+  the pool's long kind the two longest in-domain hop counts."""
+  world = world_lib.make_world(0, world_lib.WorldSizes(
+      countries=16, cities_per_country=6, companies=120, universities=40, people=1200,
+      family_rate=0.95))
+  sizes = splits_lib.SplitSizes(rl_train=60, rl_validation=20, sft=100, ood_per_tier=10,
+                                ood_pool=30, hop_weights=(0, 0, 0, 1, 1, 1, 1, 1),
+                                ood_hard_hops=10)
+  got = splits_lib.make_splits(world, 0, sizes)
+  in_domain = got["rl_train"] + got["rl_validation"] + got["sft"]
+  assert {q.hops for q in in_domain} == {4, 5, 6, 7, 8}
+  assert {q.hops for q in got["ood"] if q.tier == "hard"} == {10}
+  assert {q.hops for q in got["ood_pool"] if q.tier == "long"} == {7, 8}
+  assert {q.hops for q in got["ood_pool"] if q.tier == "longest"} == {10}
+  for q in in_domain + got["ood"] + got["ood_pool"]:
+    assert world.walk(q.chain[0], q.relations) == q.chain and len(set(q.chain)) == len(q.chain)

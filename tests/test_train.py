@@ -278,9 +278,11 @@ def test_the_generator_fields_make_the_dataset_and_a_made_one_must_match(tmp_pat
   from pbsd_jax.run import run_config, task as task_lib
   from test_configs import load_spec
 
-  family, hops = "--config.data.family_rate=1.0", "--config.data.hop_weights=(0.0,0.0,1.0)"
+  family = "--config.data.world.family_rate=1.0"
+  hops = "--config.data.splits.hop_weights=(0.0,0.0,1.0)"
   task_lib.prepare_task(
-      load_spec("pbsd", *SMALL, family, "--config.data.detour_share=0.5", hops), str(tmp_path))
+      load_spec("pbsd", *SMALL, family, "--config.data.oracle.detour_share=0.5", hops),
+      str(tmp_path))
   with open(tmp_path / "data" / "sft.jsonl") as f:
     sft = [json.loads(line) for line in f]
   assert {r["hops"] for r in sft} == {3}
@@ -290,5 +292,51 @@ def test_the_generator_fields_make_the_dataset_and_a_made_one_must_match(tmp_pat
   default = world_lib.make_world(0).families
   assert sum(map(len, families)) > 1.5 * sum(map(len, default))
   with pytest.raises(run_config.ConfigError,
-                     match=r"config\.data\.detour_share=0\.15: .* was made with 0\.5"):
+                     match=r"config\.data\.oracle\.detour_share=0\.15: .* was made with 0\.5"):
     task_lib.prepare_task(load_spec("pbsd", *SMALL, family, hops), str(tmp_path))
+  with pytest.raises(run_config.ConfigError,
+                     match=r"config\.data\.world\.people=200: .* was made with 320"):
+    task_lib.prepare_task(load_spec("pbsd", *SMALL, family, hops, "--config.data.world.people=200",
+                                    "--config.data.oracle.detour_share=0.5"), str(tmp_path))
+
+
+def test_the_long_horizon_config_trains_at_test_size(tmp_path):
+  """configs/long_horizon.py as shipped (its world, chains, slips, 16 turns, 1,024 slots, the
+  demo's optimiser and update) with the micro model and few questions."""
+  small = [f for f in SMALL if f.split("=")[0] not in (
+      "--config.env.buffer_size", "--config.env.max_turns", "--config.optim.lr",
+      "--config.sft.schedule", "--config.data.prompt_width")]
+  cmd = [sys.executable, os.path.join(ROOT, "scripts", "train.py"),
+         f"--config={os.path.join(ROOT, 'configs', 'long_horizon.py')}",
+         f"--workdir={tmp_path / 'run'}", f"--config.data.dir={tmp_path / 'data'}", *small,
+         "--config.sft.warmup_steps=1", "--config.optim.warmup_steps=0",
+         "--config.rl.steps=1", "--config.eval.every=0", "--config.data.splits.rl_train=32",
+         "--config.data.splits.rl_validation=8", "--config.data.splits.sft=32",
+         "--config.data.splits.ood_per_tier=4", "--config.data.splits.ood_pool=6"]
+  proc = subprocess.run(cmd, env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""},
+                        capture_output=True,
+                        text=True, timeout=900)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  with open(tmp_path / "data" / "manifest.json") as f:
+    horizon = json.load(f)["horizon"]
+  assert {int(h) for h, n in horizon["hops"].items() if n} <= {4, 5, 6, 7, 8}
+  assert horizon["turns"]["max"] > 7  # past the demo's budget
+  with open(tmp_path / "data" / "sft.jsonl") as f:
+    sft = [json.loads(line) for line in f]
+  assert horizon["derailed"] == sum(r["derailed"] for r in sft) / len(sft)
+  assert [m["step"] for m in _metrics(tmp_path / "run") if m.get("stage") == "rl"][-1] == 1
+
+
+def test_embedded_questions_longer_than_the_prompt_width_fail_in_one_line(tmp_path):
+  from pbsd_jax.run import run_config, task as task_lib
+  from test_configs import load_spec
+  spec = load_spec("long_horizon", "--config.model.name=micro", "--config.data.prompt_width=40",
+                   "--config.data.splits.rl_train=32", "--config.data.splits.rl_validation=8",
+                   "--config.data.splits.sft=32", "--config.data.splits.ood_per_tier=4",
+                   "--config.data.splits.ood_pool=6")
+  # The student's prompt of an 8-hop question fits 40 tokens; the teacher's does not.
+  with pytest.raises(run_config.ConfigError,
+                     match=r"^config\.data\.prompt_width=40: data\.dir's rl_train: teacher "
+                           r"\(privileged\) question \d+ has \d+ tokens, more than the prompt "
+                           r"width 40"):
+    task_lib.prepare_task(spec, str(tmp_path))

@@ -4,12 +4,14 @@
     corpus.jsonl         {"id", "title", "contents"}, row i = entity i (Search-R1 format)
     rl_train.jsonl       575 questions  {"question", "golden_answers", "hops", "tier",
     rl_validation.jsonl  200             "relations", "chain", "chain_names"}
-    sft.jsonl            question fields + "actions", "gold_doc_ids", "detour_turns"
+    sft.jsonl            question fields + "actions", "gold_doc_ids", "detour_turns",
+                         "derailed"
     ood.jsonl            question fields, tier in easy / medium / hard
     ood_pool.jsonl       question fields, tier in long / unseen / longest (the pool that
                          scripts/stratify.py sorts by a checkpoint's solve rate)
     spm.model, spm.vocab the SentencePiece vocabulary (protocol tags are single tokens)
-    manifest.json        the arguments and the counts
+    manifest.json        the arguments, the counts and the SFT trajectories' horizon
+                         statistics (`oracle.horizon`)
 
 Same arguments -> byte-identical files.
 """
@@ -30,7 +32,9 @@ from pbsd_jax.data.jsonl import write_jsonl
 def make_dataset(out_dir: str, seed: int = 0,
                  world_sizes: world_lib.WorldSizes = world_lib.WorldSizes(),
                  split_sizes: splits_lib.SplitSizes = splits_lib.SplitSizes(),
-                 detour_share: float = oracle_lib.DETOUR_SHARE, vocab_size: int = 2048) -> dict[str, str]:
+                 detour_share: float = oracle_lib.DETOUR_SHARE,
+                 slips: oracle_lib.Slips = oracle_lib.Slips(),
+                 vocab_size: int = 2048) -> dict[str, str]:
   """Generates the world, corpus, splits, oracle trajectories and vocabulary into `out_dir`.
 
   Args:
@@ -39,6 +43,7 @@ def make_dataset(out_dir: str, seed: int = 0,
     world_sizes: entity counts.
     split_sizes: split sizes and the OOD boundary.
     detour_share: the share of SFT trajectories that take a detour (a sloppy first query).
+    slips: the other trajectories' per-hop slips (none by default).
     vocab_size: SentencePiece target vocabulary size.
 
   Returns:
@@ -49,7 +54,8 @@ def make_dataset(out_dir: str, seed: int = 0,
   world = world_lib.make_world(seed, world_sizes)
   corpus = corpus_lib.corpus_records(world)
   splits = splits_lib.make_splits(world, seed, split_sizes)
-  trajectories = oracle_lib.oracle_trajectories(world, splits["sft"], detour_share, seed)
+  trajectories = oracle_lib.oracle_trajectories(world, splits["sft"], detour_share, seed,
+                                                slips)
 
   paths = {name: os.path.join(out_dir, f"{name}.jsonl") for name in splits_lib.SPLITS}
   paths["world"] = os.path.join(out_dir, "world.json")
@@ -72,8 +78,9 @@ def make_dataset(out_dir: str, seed: int = 0,
 
   manifest = {"seed": seed, "world_sizes": dataclasses.asdict(world_sizes),
               "split_sizes": dataclasses.asdict(split_sizes), "detour_share": detour_share,
-              "vocab_size": vocab_size, "num_documents": len(corpus),
-              "counts": {name: len(splits[name]) for name in splits_lib.SPLITS}}
+              "slips": dataclasses.asdict(slips), "vocab_size": vocab_size, "num_documents": len(corpus),
+              "counts": {name: len(splits[name]) for name in splits_lib.SPLITS},
+              "horizon": oracle_lib.horizon(trajectories)}
   with storage.replaced(paths["manifest"], encoding="utf-8") as f:  # last: the data is whole
     json.dump(manifest, f, indent=1)
   return paths

@@ -1,6 +1,7 @@
 """Question splits: RL train / validation, SFT, and out-of-domain tiers.
 
-In-domain questions (RL train, RL validation, SFT) have 1..len(hop_weights) hops and never
+In-domain questions (RL train, RL validation, SFT) have 1..len(hop_weights) hops (at most
+`MAX_HOPS`) and never
 use a *held-out* relation bigram (two relations composed in a given order). Out-of-domain
 questions are stratified by how far they leave that distribution:
 
@@ -12,7 +13,7 @@ The stratification pool (`ood_pool`) holds harder questions for the paper's BC(3
 (`scripts/stratify.py`, `scripts/compare.py`): a checkpoint's solve rate sorts them into
 Easy / Medium / Hard, so its tiers depend on the checkpoint, not on the generator. A third each:
 
-    long     3-4 hops on in-domain compositions (the longest in-domain chains, unseen questions)
+    long     the two longest in-domain hop counts (3-4 by default; unseen questions)
     unseen   2-4 hops containing a held-out bigram
     longest  `ood_hard_hops` hops
 
@@ -28,6 +29,7 @@ import random
 from pbsd_jax.data import questions as questions_lib, world as world_lib
 
 TIERS = ("easy", "medium", "hard")
+MAX_HOPS = 12  # the longest chain the generator draws (relation paths grow ~2.5x per hop)
 SPLITS = ("rl_train", "rl_validation", "sft", "ood", "ood_pool")
 POOL_KINDS = ("long", "unseen", "longest")
 
@@ -62,9 +64,8 @@ class SplitSizes:
     if not self.hop_weights or min(self.hop_weights) < 0 or sum(self.hop_weights) <= 0:
       raise ValueError(f"SplitSizes.hop_weights must be non-negative with a positive sum, "
                        f"got {self.hop_weights}")
-    if len(self.hop_weights) > 4:
-      raise ValueError("SplitSizes.hop_weights covers at most 4 in-domain hops (medium OOD "
-                       "questions have 3-4 hops)")
+    if self.ood_hard_hops > MAX_HOPS:
+      raise ValueError(f"SplitSizes.ood_hard_hops={self.ood_hard_hops} is over {MAX_HOPS}")
     if self.ood_hard_hops <= len(self.hop_weights):
       raise ValueError(f"SplitSizes.ood_hard_hops={self.ood_hard_hops} must exceed the "
                        f"longest in-domain chain ({len(self.hop_weights)} hops)")
@@ -155,8 +156,9 @@ def make_splits(world: world_lib.World, seed: int, sizes: SplitSizes = SplitSize
     weights = {h: 1.0 for h in tier_paths[tier]}
     splits["ood"] += sampler.draw(sizes.ood_per_tier, tier_paths[tier], weights, tier,
                                   f"ood tier {tier!r}")
+  longest = [h for h in in_domain if sizes.hop_weights[h - 1] > 0][-2:]
   kind_paths = {
-      "long": {h: in_domain[h] for h in (3, 4) if h in in_domain},
+      "long": {h: in_domain[h] for h in longest},
       "unseen": {h: [p for p in all_paths[h] if _has_heldout(p, heldout)] for h in (2, 3, 4)},
       "longest": tier_paths["hard"],
   }

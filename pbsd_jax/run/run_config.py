@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 from pbsd_jax import protocol
 from pbsd_jax.agent.env.agent_env import AgentEnv
 from pbsd_jax.agent.env.http import HttpRetriever
-from pbsd_jax.data import splits as splits_lib, world as world_lib
+from pbsd_jax.data import oracle as oracle_lib, splits as splits_lib, world as world_lib
 from pbsd_jax.generate.sampling import Sampler
 from pbsd_jax.models import ModelConfig, param_shapes, param_shardings
 from pbsd_jax.models.sizes import SIZES
@@ -236,21 +236,28 @@ def _describe_mesh(mesh: Mesh) -> str:
 
 def dataset_args(config) -> dict[str, Any]:
   """The embedded task's generator arguments from the `data` section: the keyword arguments
-  of `data.build.make_dataset` after its output directory (seed, world and split sizes,
-  detour share)."""
+  of `data.build.make_dataset` after its output directory (seed, world and split sizes, the
+  oracle's detours and slips)."""
   d = config.data
-  if not 0.0 <= d.detour_share <= 1.0:
-    _fail("data.detour_share", d.detour_share, "must be in [0, 1]")
-  try:
-    world_sizes = world_lib.WorldSizes(family_rate=d.family_rate)
-  except ValueError as err:
-    _fail("data.family_rate", d.family_rate, str(err))
-  try:
-    split_sizes = splits_lib.SplitSizes(hop_weights=tuple(float(w) for w in d.hop_weights))
-  except (TypeError, ValueError) as err:
-    _fail("data.hop_weights", d.hop_weights, str(err))
+
+  def build(section: str, cls, **fields):
+    try:
+      return cls(**fields)
+    except (TypeError, ValueError) as err:
+      field = re.search(rf"{cls.__name__}\.(\w+)", str(err))  # the field it names
+      name = f"data.{section}.{field.group(1)}" if field else f"data.{section}"
+      _fail(name, fields.get(field.group(1)) if field else fields, str(err))
+
+  world_sizes = build("world", world_lib.WorldSizes, **d.world)
+  split_sizes = build("splits", splits_lib.SplitSizes,
+                      **{**d.splits, "hop_weights": tuple(d.splits.hop_weights)})
+  oracle = dict(d.oracle)
+  if not 0.0 <= oracle["detour_share"] <= 1.0:
+    _fail("data.oracle.detour_share", oracle["detour_share"], "must be in [0, 1]")
+  slips = build("oracle", oracle_lib.Slips,
+                **{k: v for k, v in oracle.items() if k != "detour_share"})
   return dict(seed=d.data_seed, world_sizes=world_sizes, split_sizes=split_sizes,
-              detour_share=d.detour_share)
+              detour_share=oracle["detour_share"], slips=slips)
 
 
 def model_before_data(config) -> ModelConfig:

@@ -167,13 +167,21 @@ def _check_manifest(spec: RunSpec, path: str) -> None:
   with open(path) as f:
     made = json.load(f)
   args = spec.data.generator
-  for field, want, got in (
-      ("data_seed", args["seed"], made["seed"]),
-      ("family_rate", args["world_sizes"].family_rate, made["world_sizes"]["family_rate"]),
-      ("detour_share", args["detour_share"], made["detour_share"]),
-      ("hop_weights", list(args["split_sizes"].hop_weights),
-       made["split_sizes"]["hop_weights"])):
-    if want != got:
+  # Manifest key -> (config section, the arguments); a manifest older than a section holds
+  # its defaults.
+  made.setdefault("slips", dataclasses.asdict(type(args["slips"])()))
+  sections = {
+      "world_sizes": ("world", dataclasses.asdict(args["world_sizes"])),
+      "split_sizes": ("splits", dataclasses.asdict(args["split_sizes"])),
+      "slips": ("oracle", dataclasses.asdict(args["slips"])),
+  }
+  differing = [("data_seed", args["seed"], made["seed"]),
+               ("oracle.detour_share", args["detour_share"], made["detour_share"])]
+  for key, (section, want) in sections.items():
+    got = made[key]
+    differing += [(f"{section}.{field}", value, got.get(field)) for field, value in want.items()]
+  for field, want, got in differing:
+    if json.loads(json.dumps(want)) != got:
       raise run_config.ConfigError(
           f"config.data.{field}={want!r}: the dataset in {os.path.dirname(path)} "
           f"was made with {got!r} (make another data.dir, or set the field to match)")
@@ -241,8 +249,7 @@ def prepare_task(spec: RunSpec, workdir: str, mesh: Any = None, connect: bool = 
   search, index = _search(spec, corpus, vocab, keep_index=not user_data,
                           mesh=mesh, connect=connect)
   task = Task(Tokenizer(vocab, text, chat), env, search, index, splits)
-  if user_data:
-    _check_prompts(task, spec.data)
+  _check_prompts(task, spec.data, user_data)
   return task
 
 
@@ -313,10 +320,13 @@ def _token_index(spec: RunSpec, ids: list[str], contents: list[str], vocab: Any,
   return index
 
 
-def _check_prompts(task: Task, data: DataSpec) -> None:
-  """Every user question's student and teacher prompts fit `config.data.prompt_width`, checked
-  once at start-up (the embedded task's fit by construction)."""
-  for split, field in (("rl_train", "train_files"), ("rl_validation", "eval_files")):
+def _check_prompts(task: Task, data: DataSpec, user_data: bool) -> None:
+  """Every training and validation question's student and teacher prompts fit
+  `config.data.prompt_width`, checked once at start-up (the embedded task's questions grow
+  with `data.splits.hop_weights`)."""
+  splits = [("rl_train", "train_files"), ("rl_validation", "eval_files")]
+  for split, field in splits + ([] if user_data else [("sft", "")]):
+    field = field if user_data else f"dir's {split}"
     records = task.splits[split]
     for start in range(0, len(records), 1024):
       chunk = records[start:start + 1024]

@@ -1,0 +1,33 @@
+"""A long-horizon variant of the embedded task: multi-hop chains where a turn's credit matters.
+
+The demo's world gives 1-4 hop chains (oracle trajectories of 2-6 turns, mean 3.5), where a
+useless search costs only a turn and PBSD has little credit to assign. Here:
+- chains of 4-8 hops in domain, a hard OOD tier of 10 (`data.splits`);
+- a larger world where nearly every name has confusable variants (`data.world`: 1,200
+  people, 96 cities, `family_rate` 0.95), so a sloppy search finds a plausible wrong entity;
+- SFT trajectories that make mistakes by design (`data.oracle`): at each hop a 10 % chance of
+  searching a confusable neighbour, noticed 60 % of the time (one wasted turn) and otherwise
+  followed (the trajectory walks from the wrong entity and answers wrong); at most 3 slips;
+- a 16-turn budget in a 1,024-slot buffer (`env`), and prompts of up to 96 tokens: an 8-hop
+  question is up to 38 tokens, and the teacher's prompt adds the answer block.
+Everything else is the demo's (configs/demo.py).
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+import demo  # noqa: E402
+
+
+def get_config():
+  config = demo.get_config()
+  config.data.world.update(countries=16, cities_per_country=6, companies=120,
+                           universities=40, people=1200, family_rate=0.95)
+  config.data.splits.hop_weights = (0.0, 0.0, 0.0, 0.2, 0.2, 0.2, 0.2, 0.2)
+  config.data.splits.ood_hard_hops = 10
+  config.data.oracle.update(detour_share=0.0, slip_rate=0.1, recover_rate=0.6, max_slips=3)
+  config.env.max_turns = 16
+  config.env.buffer_size = 1024
+  config.data.prompt_width = 96
+  return config
