@@ -276,7 +276,8 @@ def write_results(path, evals, runs, methods, config, minutes, ablations=()):
   credit_keys = ["credit/auc_weight", "credit/auc_weight_solved", "credit/auc_weight_failed",
                  "credit/auc_evidence", "credit/auc_evidence_solved",
                  "credit/auc_evidence_failed", "credit/frac_useful",
-                 "credit/frac_evidence_pos", "credit/mean_abs_evidence"]
+                 "credit/frac_evidence_pos", "credit/mean_abs_evidence",
+                 "credit/auc_weight_value", "credit/auc_evidence_value", "credit/frac_progress"]
   credit_rows = []
   for method in methods:
     row = [method.upper()]
@@ -290,9 +291,9 @@ def write_results(path, evals, runs, methods, config, minutes, ablations=()):
     got = [r["validation"]["top_p"].get("credit") for r in rows_of(method)]
     if got[0] is not None:
       keys = ("auc_evidence", "auc_evidence_solved", "auc_evidence_failed", "frac_useful",
-              "frac_evidence_pos", "mean_abs_evidence")
+              "frac_evidence_pos", "mean_abs_evidence", "auc_evidence_value", "frac_progress")
       eval_credit.append([method.upper()] + [
-          f"{float(results.nanmean([g[k] for g in got])):.3f}" for k in keys])
+          f"{float(results.nanmean([g.get(k, np.nan) for g in got])):.3f}" for k in keys])
 
   # Table 3: PBSD's variants, each paired with PBSD by seed.
   mean_metric = lambda method, key: results.nanmean([results.nanmean(
@@ -331,7 +332,9 @@ def write_results(path, evals, runs, methods, config, minutes, ablations=()):
       "## Credit quality (ROC AUC for useful vs. other search turns; 0.5 = chance)", "",
       "During training (mean over RL steps and seeds). `auc_weight` ranks turns by the final "
       "credit relative to the flat outcome advantage, `sign(A) * w` (GRPO: `sign(A)`); "
-      "`auc_evidence` by the turn evidence `s`.", "",
+      "`auc_evidence` by the turn evidence `s`. The `_value` columns rank progress vs. culprit "
+      "turns instead, by each turn's change to the chance of success (`gold_chain.turn_values`; "
+      "`frac_progress`: their share of labelled turns).", "",
       results.markdown_table(["method"] + [k.split("/")[1] for k in credit_keys],
                              credit_rows), ""]
   if ablation_rows:
@@ -347,7 +350,8 @@ def write_results(path, evals, runs, methods, config, minutes, ablations=()):
               "trajectories):", "",
               results.markdown_table(["checkpoint", "auc_evidence", "auc_evidence_solved",
                                       "auc_evidence_failed", "frac_useful",
-                                      "frac_evidence_pos", "mean_abs_evidence"], eval_credit),
+                                      "frac_evidence_pos", "mean_abs_evidence",
+                                      "auc_evidence_value", "frac_progress"], eval_credit),
               ""]
   with storage.replaced(path) as f:
     f.write("\n".join(lines))

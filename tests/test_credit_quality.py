@@ -102,6 +102,123 @@ def _replay(kg, setup, records, actions):
   return label_turns(graph, gold_docs), label_turns(host, gold_docs), region
 
 
+def _turn_ids(starts, buffer):
+  """`i32[B, T]` with turn k's action tokens from `starts[b][k]` for 3 columns."""
+  ids = np.full((len(starts), buffer), -1, np.int32)
+  for b, row in enumerate(starts):
+    for k, col in enumerate(row):
+      ids[b, col:col + 3] = k
+  return ids
+
+
+def test_turn_values_by_hand():
+  """Two one-hop rows, two turns each. Row 0 reads the chain document, then answers right;
+  row 1 misses it, then answers wrong. The batch's rates: a search at progress 0 advances
+  (1 + 1) / (2 + 2) = 1/2 of the time; an answer at full progress is right (1 + 1) / (1 + 2)
+  = 2/3 of the time. V(1, t >= 1) = 2/3, V(0, 1) = 0, V(0, 2) = 1/2 * 2/3 = 1/3."""
+  kind = jnp.array([[KIND_SEARCH, KIND_ANSWER], [KIND_SEARCH, KIND_ANSWER]])
+  doc = jnp.array([[7, -1], [3, -1]])
+  gold = jnp.array([[7], [9]])
+  ids = jnp.asarray(_turn_ids([[10, 20], [10, 20]], 100))  # 10 tokens a turn; room for 9
+  values = gold_chain.turn_values(kind, doc, gold, jnp.array([1.0, 0.0]), ids)
+  np.testing.assert_allclose(values, [[2 / 3 - 1 / 3, 1 - 2 / 3], [0 - 1 / 3, 0 - 0]],
+                             atol=1e-6)
+  np.testing.assert_array_equal(gold_chain.value_labels(values),
+                                [[gold_chain.PROGRESS, gold_chain.PROGRESS],
+                                 [gold_chain.CULPRIT, gold_chain.NEUTRAL]])
+  # A buffer that holds one turn of 10 tokens at the first turn: no room to search and then
+  # answer, so the search is worth nothing (V(1, 0) - V(0, 1) = 0); the answer turn has
+  # itself (V(1, 1) = 2/3).
+  tight = jnp.asarray(_turn_ids([[10, 20], [10, 20]], 21))
+  values = gold_chain.turn_values(kind, doc, gold, jnp.array([1.0, 0.0]), tight)
+  np.testing.assert_allclose(values, [[0.0, 1 - 2 / 3], [0.0, 0.0]], atol=1e-6)
+  # Turns not taken and rows without a chain are unlabelled.
+  none = gold_chain.turn_values(jnp.array([[KIND_SEARCH, -1]]), jnp.array([[7, -1]]),
+                                jnp.array([[-1]]), jnp.array([0.0]),
+                                jnp.asarray(_turn_ids([[10]], 100)))
+  assert np.all(np.isnan(none))
+
+
+def _reference_values(kind, doc, gold, reward, starts, buffer, max_turns):
+  """`turn_values` by loops and a memoised recursion (module docstring of gold_chain)."""
+  b_rows, h = len(kind), len(gold[0])
+  hops = [sum(g >= 0 for g in row) for row in gold]
+  before, after = [], []
+  for b in range(b_rows):
+    read, row_before, row_after = set(), [], []
+    for k in range(max_turns):
+      p = next(m for m in range(h + 1) if m == hops[b] or gold[b][m] not in read)
+      row_before.append(p)
+      if kind[b][k] == KIND_SEARCH and doc[b][k] >= 0:
+        read.add(doc[b][k])
+      row_after.append(next(m for m in range(h + 1) if m == hops[b] or gold[b][m] not in read))
+    before.append(row_before)
+    after.append(row_after)
+  taken = lambda b, k: kind[b][k] >= 0
+  searching = lambda b, k: taken(b, k) and kind[b][k] not in (KIND_ANSWER, 3)
+  a = []
+  for p in range(h + 1):
+    n = [(b, k) for b in range(b_rows) for k in range(max_turns)
+         if searching(b, k) and before[b][k] == p]
+    a.append((sum(after[b][k] > p for b, k in n) + 1) / (len(n) + 2))
+  full = [(b, k) for b in range(b_rows) for k in range(max_turns)
+          if kind[b][k] == KIND_ANSWER and before[b][k] == hops[b]]
+  c = (sum(reward[b] > 0 for b, _ in full) + 1) / (len(full) + 2)
+  spans = [starts[b][k + 1] - starts[b][k] for b in range(b_rows) for k in range(max_turns - 1)
+           if taken(b, k) and taken(b, k + 1)]
+  per_turn = max(sum(spans) / max(len(spans), 1), 1.0)
+
+  def v(b, p, t):
+    if t <= 0:
+      return 0.0
+    if p == hops[b]:
+      return c
+    return a[p] * v(b, p + 1, t - 1) + (1 - a[p]) * v(b, p, t - 1)
+
+  out = np.full((b_rows, max_turns), np.nan)
+  for b in range(b_rows):
+    if not hops[b]:
+      continue
+    for k in range(max_turns):
+      if not taken(b, k):
+        continue
+      start = starts[b][k] if k < len(starts[b]) else buffer
+      t = max(min(max_turns - k, int((buffer - start) // per_turn)), 1)
+      now = v(b, before[b][k], t)
+      if kind[b][k] == KIND_ANSWER:
+        out[b, k] = reward[b] - now
+      elif kind[b][k] == 3:
+        out[b, k] = -now
+      else:
+        out[b, k] = v(b, after[b][k], t - 1) - now
+  return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(0, 10_000))
+def test_turn_values_equal_a_brute_force_reference(seed):
+  rng = np.random.default_rng(seed)
+  b_rows, k_turns, h, buffer = 5, 6, 3, 90
+  gold = np.full((b_rows, h), -1)
+  kind = np.full((b_rows, k_turns), -1)
+  doc = np.full((b_rows, k_turns), -1)
+  starts = []
+  for b in range(b_rows):
+    hops = rng.integers(0, h + 1)
+    gold[b, :hops] = rng.choice(20, hops, replace=False)
+    n = rng.integers(1, k_turns + 1)
+    kind[b, :n - 1] = rng.choice([KIND_SEARCH, KIND_SEARCH, KIND_SEARCH, KIND_INVALID], n - 1)
+    kind[b, n - 1] = rng.choice([KIND_SEARCH, KIND_ANSWER, KIND_ANSWER, 3])
+    pool = np.concatenate([gold[b, :hops], rng.choice(20, 3), [-1]])
+    doc[b, :n] = np.where(kind[b, :n] == KIND_SEARCH, rng.choice(pool, n), -1)
+    starts.append(list(np.cumsum(rng.integers(4, 16, n)) + 8))
+  reward = (rng.random(b_rows) < 0.5).astype(np.float32)
+  got = gold_chain.turn_values(jnp.asarray(kind), jnp.asarray(doc), jnp.asarray(gold),
+                               jnp.asarray(reward), jnp.asarray(_turn_ids(starts, buffer)))
+  want = _reference_values(kind, doc, gold, reward, starts, buffer, k_turns)
+  np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+
+
 def test_oracle_replay_labels_its_detours_off_chain_and_its_chain_searches_useful(kg, setup):
   records = _detoured_records(kg, 6)
   graph, host, _ = _replay(kg, setup, records, [r["actions"] for r in records])
@@ -162,6 +279,15 @@ def test_an_rl_step_reports_the_auc_of_the_evidence_and_of_the_signed_credit(kg,
     want_w = _pairwise_auc(signed_w[keep], useful[keep])
     assert float(metrics[f"credit/auc_evidence{suffix}"]) == pytest.approx(want_s, abs=2e-3)
     assert float(metrics[f"credit/auc_weight{suffix}"]) == pytest.approx(want_w, abs=2e-3)
+  value = gold_chain.value_labels(rollout.turn_value)
+  scored = (value == gold_chain.PROGRESS) | (value == gold_chain.CULPRIT)
+  progress = value == gold_chain.PROGRESS
+  assert 0 < progress[scored].mean() < 1  # both classes: the wrong answers are culprits
+  for suffix, rows in (("", np.ones_like(solved)), ("_solved", solved), ("_failed", ~solved)):
+    keep = scored & rows[:, None]
+    if 0 < progress[keep].mean() < 1:
+      assert float(metrics[f"credit/auc_evidence_value{suffix}"]) == pytest.approx(
+          _pairwise_auc(s[keep], progress[keep]), abs=2e-3)
   # The sign of the outcome alone (GRPO's flat credit) separates by outcome, not by turn.
   grpo = algorithms.get("grpo", group_size=2)
   _, grpo_metrics = learner.rl_step(state, rollout, jnp.asarray(region["teacher_prompt"]),

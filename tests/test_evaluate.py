@@ -346,6 +346,18 @@ def test_credit_summary_pools_labelled_turns_over_trajectories():
   assert got["mean_abs_evidence"] == pytest.approx((0.5 + 0.2 + 0.1 + 0.3 + 0.4) / 5)
 
 
+def test_credit_summary_scores_progress_against_culprit_turns():
+  labels = np.full((3, 3), 1)  # the useful labels do not enter the value metrics
+  evidence = np.array([[0.5, -0.2, 9.0], [0.1, 0.3, 9.0], [-0.4, 9.0, 9.0]], np.float32)
+  nan = np.nan
+  values = np.array([[0.3, -0.1, nan], [0.01, 0.05, nan], [-0.2, nan, nan]], np.float32)
+  got = ev.credit_summary(labels, evidence, np.array([True, True, False]), values)
+  # Progress 0.5 (0.3), 0.3 (0.05) vs. culprit -0.2 (-0.1), -0.4 (-0.2); 0.01 is neutral.
+  assert got["auc_evidence_value"] == 1.0 and got["auc_evidence_value_solved"] == 1.0
+  assert got["frac_progress"] == pytest.approx(2 / 5)
+  assert got["frac_culprit"] == pytest.approx(2 / 5)
+
+
 def test_evaluation_labels_the_searches_of_records_with_a_gold_chain(kg, automaton):
   """The automaton searches once on questions ending in '?'; a chain holding the document it
   retrieves makes that search useful, another chain makes it off-chain."""

@@ -8,6 +8,25 @@ episode is USEFUL; a search whose top document is off the chain (a confusable ne
 sloppy query) is OFF_CHAIN; one that retrieves a document already seen is REPEAT; an invalid
 action is INVALID. Answer and EOS turns, failed retrievals, absent turns and rows without a
 known chain are UNLABELLED.
+
+Those labels break at long horizons (a corrective search after a lucky sloppy one is a
+"repeat", answers go unlabelled, every search after a wrong commitment is "off-chain"), so
+each turn also gets its *value* (`turn_values`): the change it makes to the chance that the
+row is solved, read from the world and from the batch's own rollouts.
+- Progress `p`: how far along the gold chain the agent has read, the longest prefix
+  `e_0 .. e_{p-1}` of chain documents among those its searches retrieved.
+- The chance of success `V(p, t)` with `t` turns left: a search at progress `p` advances with
+  the batch's rate `a_p` (searches that read the next chain document, of those taken at `p`),
+  and an answer at full progress is right with the batch's rate `c`:
+  `V(h, t >= 1) = c`, `V(p < h, t) = a_p V(p + 1, t - 1) + (1 - a_p) V(p, t - 1)`,
+  `V(., 0) = 0`. Rates are Laplace-smoothed (`(k + 1) / (n + 2)`).
+- Turns left at turn k: `max_turns - k`, and no more than the tokens left in the buffer hold
+  at the batch's mean tokens per turn (but the turn itself).
+- A turn's value: a search or invalid turn `V(p_after, t - 1) - V(p_before, t)`; an answer
+  `reward - V(p_before, t)`; an EOS `-V(p_before, t)`. NaN for a turn not taken and for rows
+  without a chain.
+`value_labels` names them: PROGRESS above `VALUE_TOLERANCE`, CULPRIT below minus it, NEUTRAL
+between.
 """
 
 from __future__ import annotations
@@ -18,13 +37,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pbsd_jax.agent.env.agent_env import KIND_INVALID, KIND_SEARCH
+from pbsd_jax.agent.env.agent_env import KIND_ANSWER, KIND_EOS, KIND_INVALID, KIND_SEARCH
 
 Array = jax.Array
 
 UNLABELLED, USEFUL, OFF_CHAIN, REPEAT, INVALID = 0, 1, 2, 3, 4
 LABEL_NAMES = {UNLABELLED: "", USEFUL: "useful", OFF_CHAIN: "off-chain", REPEAT: "repeat",
                INVALID: "invalid"}
+PROGRESS, CULPRIT, NEUTRAL = 1, 2, 3  # `value_labels` (0: UNLABELLED)
+VALUE_LABEL_NAMES = {UNLABELLED: "", PROGRESS: "progress", CULPRIT: "culprit",
+                     NEUTRAL: "neutral"}
+# A turn whose value is within this of 0 changes the chance of success by too little to
+# call it either way.
+VALUE_TOLERANCE = 0.02
 
 
 def gold_doc_batch(records: Sequence[Mapping], width: int) -> np.ndarray:
@@ -59,3 +84,71 @@ def turn_labels(turn_kind: Array, turn_doc: Array, gold_docs: Array) -> Array:
   label = jnp.where(searched, label, jnp.where(turn_kind == KIND_INVALID, INVALID, UNLABELLED))
   has_chain = jnp.any(gold_docs >= 0, axis=1, keepdims=True)
   return jnp.where(has_chain, label, UNLABELLED).astype(jnp.int32)
+
+
+def _rate(hits: Array, trials: Array) -> Array:
+  return (jnp.sum(hits, axis=-1) + 1.0) / (jnp.sum(trials, axis=-1) + 2.0)
+
+
+def turn_values(turn_kind: Array, turn_doc: Array, gold_docs: Array, reward: Array,
+                turn_ids: Array) -> Array:
+  """`f32[B, K]` each turn's value, the change it makes to the chance of success (module
+  docstring); NaN where unlabelled.
+
+  Args:
+    turn_kind, turn_doc, gold_docs: as in `turn_labels`.
+    reward: `f32[B]` the rows' outcome rewards.
+    turn_ids: `i32[B, T]` the turn index of each action token (-1 elsewhere); T is the
+      buffer, and a turn starts at its first action token.
+  """
+  b, k = turn_kind.shape
+  hops = jnp.sum(gold_docs >= 0, axis=1)  # [B]
+  taken = turn_kind >= 0
+  hit = ((turn_doc[:, :, None] == gold_docs[:, None, :]) & (gold_docs[:, None, :] >= 0)
+         & (turn_doc[:, :, None] >= 0))  # [B, K, H]
+  read = jnp.cumsum(hit, axis=1) > 0  # chain document j read by turn k
+  after = jnp.sum(jnp.cumprod(read, axis=2), axis=2)  # [B, K] progress after each turn
+  before = jnp.concatenate([jnp.zeros((b, 1), after.dtype), after[:, :-1]], axis=1)
+  answering = (turn_kind == KIND_ANSWER) | (turn_kind == KIND_EOS)
+  searching = taken & ~answering
+  h = gold_docs.shape[1]
+  at = before[None] == jnp.arange(h + 1)[:, None, None]  # [H + 1, B, K]
+  advance = _rate((at & searching & (after > before)).reshape(h + 1, -1),
+                  (at & searching).reshape(h + 1, -1))  # a_p, [H + 1]
+  full = (turn_kind == KIND_ANSWER) & (before == hops[:, None])
+  correct = _rate((full & (reward[:, None] > 0)).reshape(-1), full.reshape(-1))  # c
+
+  # Turns left: by count, and by the tokens left at the batch's mean tokens per turn.
+  cols = jnp.arange(turn_ids.shape[1])
+  start = jnp.min(jnp.where(turn_ids[:, None, :] == jnp.arange(k)[None, :, None],
+                            cols, turn_ids.shape[1]), axis=2)  # [B, K]
+  spans = (start[:, 1:] - start[:, :-1]).astype(jnp.float32)
+  both = taken[:, 1:] & taken[:, :-1]
+  per_turn = jnp.maximum(jnp.sum(jnp.where(both, spans, 0.0)) / jnp.maximum(jnp.sum(both), 1),
+                         1.0)
+  by_tokens = jnp.floor((turn_ids.shape[1] - start) / per_turn).astype(jnp.int32)
+  # A turn being taken has itself at least.
+  left = jnp.maximum(jnp.minimum(k - jnp.arange(k)[None, :], by_tokens), 1)  # [B, K]
+
+  def step(v, _):  # V(., t) from V(., t - 1): [B, H + 1]
+    ahead = jnp.concatenate([v[:, 1:], jnp.zeros((b, 1))], axis=1)
+    p = jnp.arange(h + 1)[None, :]
+    nxt = jnp.where(p == hops[:, None], correct, advance * ahead + (1.0 - advance) * v)
+    nxt = jnp.where(p > hops[:, None], 0.0, nxt)
+    return nxt, nxt
+
+  _, table = jax.lax.scan(step, jnp.zeros((b, h + 1)), None, length=k)
+  table = jnp.concatenate([jnp.zeros((1, b, h + 1)), table])  # [K + 1, B, H + 1]: V(., t)
+  value = lambda t, p: table[jnp.clip(t, 0, k), jnp.arange(b)[:, None], p]
+  now = value(left, before)
+  delta = jnp.where(turn_kind == KIND_ANSWER, reward[:, None] - now,
+                    jnp.where(turn_kind == KIND_EOS, -now, value(left - 1, after) - now))
+  labelled = taken & (hops[:, None] > 0)
+  return jnp.where(labelled, delta, jnp.nan).astype(jnp.float32)
+
+
+def value_labels(values: Array) -> Array:
+  """`i32[B, K]` PROGRESS / CULPRIT / NEUTRAL of `turn_values` (UNLABELLED where NaN)."""
+  return jnp.where(jnp.isnan(values), UNLABELLED,
+                   jnp.where(values > VALUE_TOLERANCE, PROGRESS,
+                             jnp.where(values < -VALUE_TOLERANCE, CULPRIT, NEUTRAL)))

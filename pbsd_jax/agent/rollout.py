@@ -69,6 +69,8 @@ class Rollout:
       retriever's numeric document id), -1 where there is none.
     turn_label: `i32[B, K]` each turn's `gold_chain.turn_labels` once `label_turns` gave it
       the gold chains, else None.
+    turn_value: `f32[B, K]` each turn's `gold_chain.turn_values` (NaN where unlabelled),
+      given with `turn_label`.
     routes: `i32[B, T, layers, k]` each token's MoE routes in the sampler (-1 on padding)
       when it recorded them (`Sampler.record_routes`), else None.
   """
@@ -90,6 +92,7 @@ class Rollout:
   turn_kind: Array | None = None
   turn_doc: Array | None = None
   turn_label: Array | None = None
+  turn_value: Array | None = None
   routes: Array | None = None
 
   @property
@@ -483,6 +486,10 @@ class Agent:
 
 def label_turns(rollout: Rollout, gold_docs: Array) -> Rollout:
   """`rollout` with its turns labelled against the gold chain documents `gold_docs: i32[B, H]`
-  (`gold_chain.gold_doc_batch`; `Rollout.turn_label`, what the credit-quality metrics read)."""
-  return rollout.replace(turn_label=gold_chain.turn_labels(rollout.turn_kind, rollout.turn_doc,
-                                                           jnp.asarray(gold_docs)))
+  (`gold_chain.gold_doc_batch`): `Rollout.turn_label` and `turn_value`, what the
+  credit-quality metrics read."""
+  gold_docs = jnp.asarray(gold_docs)
+  return rollout.replace(
+      turn_label=gold_chain.turn_labels(rollout.turn_kind, rollout.turn_doc, gold_docs),
+      turn_value=gold_chain.turn_values(rollout.turn_kind, rollout.turn_doc, gold_docs,
+                                        rollout.reward, rollout.turn_ids))

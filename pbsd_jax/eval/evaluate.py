@@ -220,17 +220,17 @@ def evaluate(agent: Agent, params: Any, records: Sequence[Mapping], *, batch_siz
              "num_action_tokens": out.num_action_tokens, "finished": out.finished,
              "truncated": out.truncated}
     if with_credit:
-      stats["turn_label"] = out.turn_label
+      stats["turn_label"], stats["turn_value"] = out.turn_label, out.turn_value
       stats["evidence"] = _turn_evidence(credit_algo, agent.sampler.model, agent.env.max_turns,
                                          params, out, region["teacher_prompt"][padded],
                                          region["teacher_prompt_mask"][padded])
     parts.append((len(chunk), stats))
-  fields = OUTCOME_FIELDS + (("turn_label", "evidence") if with_credit else ())
+  fields = OUTCOME_FIELDS + (("turn_label", "turn_value", "evidence") if with_credit else ())
   outcomes = {f: np.concatenate([np.asarray(s[f])[:m] for m, s in parts]) for f in fields}
   result = summarize(outcomes, [tier_name(r) for r in records], samples_per_question, pass_k)
   if with_credit:
     result["credit"] = credit_summary(outcomes["turn_label"], outcomes["evidence"],
-                                      outcomes["reward"] > 0.5)
+                                      outcomes["reward"] > 0.5, outcomes["turn_value"])
   return result
 
 
@@ -244,13 +244,17 @@ def _turn_evidence(algo: Any, model: ModelConfig, max_turns: int, params: Any, r
   return algo.turn_credit(jnp.zeros_like(rollout.reward), inputs).evidence
 
 
-def credit_summary(turn_label: np.ndarray, evidence: np.ndarray, solved: np.ndarray) -> dict:
+def credit_summary(turn_label: np.ndarray, evidence: np.ndarray, solved: np.ndarray,
+                   turn_value: np.ndarray | None = None) -> dict:
   """Evidence statistics of evaluated trajectories (`[N, K]` labels and evidence, `[N]`
   solved): the ROC AUC of `s` for useful vs. other labelled turns (all, solved, failed
   trajectories; NaN where a class is empty), the share of labelled turns that are useful and
-  their count, and over the labelled turns the fraction with `s > 0` and the mean `|s|`."""
-  metrics = credit_quality.quality_metrics(jnp.asarray(turn_label), jnp.asarray(solved),
-                                           evidence=jnp.asarray(evidence))
+  their count, and over the labelled turns the fraction with `s > 0` and the mean `|s|`;
+  with the turns' values (`[N, K]`, `gold_chain.turn_values`), the same AUCs for progress vs.
+  culprit turns (`..._value`) and their shares."""
+  metrics = credit_quality.quality_metrics(
+      jnp.asarray(turn_label), jnp.asarray(solved), evidence=jnp.asarray(evidence),
+      turn_value=None if turn_value is None else jnp.asarray(turn_value))
   summary = {k.removeprefix("credit/"): float(v) for k, v in metrics.items()}
   summary["labelled_turns"] = int(summary["labelled_turns"])
   labelled = turn_label != gold_chain.UNLABELLED
@@ -397,14 +401,16 @@ def format_table(results: Mapping[str, Mapping]) -> str:
       ("truncated", [_percent(r["truncated"]) for r in results.values()]),
   ]
   if any("credit" in r for r in results.values()):
-    cell = lambda r, key, fmt: fmt(r["credit"][key]) if "credit" in r else "-"
+    cell = lambda r, key, fmt: fmt(r["credit"].get(key, float("nan"))) if "credit" in r else "-"
     lines += [(label, [cell(r, key, fmt) for r in results.values()]) for label, key, fmt in (
         ("useful searches", "frac_useful", _percent),
         ("evidence AUC useful", "auc_evidence", "{:.3f}".format),
         ("  in solved", "auc_evidence_solved", "{:.3f}".format),
         ("  in failed", "auc_evidence_failed", "{:.3f}".format),
         ("teacher > student", "frac_evidence_pos", _percent),
-        ("mean |evidence|", "mean_abs_evidence", "{:.3f}".format))]
+        ("mean |evidence|", "mean_abs_evidence", "{:.3f}".format),
+        ("progress turns", "frac_progress", _percent),
+        ("evidence AUC progress", "auc_evidence_value", "{:.3f}".format))]
   label_width = max(len(label) for label, _ in lines)
   widths = [max(len(name), *(len(cells[j]) for _, cells in lines))
             for j, name in enumerate(columns)]

@@ -6,7 +6,9 @@ turns that helped (`agent.gold_chain.turn_labels`) above the others.
 empty), computed from ranks on device. `quality_metrics` applies it to PBSD's turn evidence `s`
 and to the final turn credit signed by the outcome (`sign(A) * w`: the weight a turn's tokens
 get relative to the flat GRPO advantage, so GRPO itself scores `sign(A)`), over all turns and
-separately in solved and failed trajectories.
+separately in solved and failed trajectories. With the turns' values
+(`gold_chain.turn_values`) it also scores them for PROGRESS vs. CULPRIT turns
+(`gold_chain.value_labels`, neutral ones left out): the `_value` metrics.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pbsd_jax.agent.gold_chain import UNLABELLED, USEFUL
+from pbsd_jax.agent.gold_chain import CULPRIT, PROGRESS, UNLABELLED, USEFUL, value_labels
 from pbsd_jax.rl import credit
 
 Array = jax.Array
@@ -39,7 +41,8 @@ def roc_auc(score: Array, positive: Array, valid: Array) -> Array:
 
 
 def quality_metrics(turn_label: Array, solved: Array, signed_credit: Array | None = None,
-                    credited: Array | None = None, evidence: Array | None = None) -> dict:
+                    credited: Array | None = None, evidence: Array | None = None,
+                    turn_value: Array | None = None) -> dict:
   """`credit/` metrics of a batch: AUCs of the credit signals for useful turns.
 
   Args:
@@ -50,29 +53,50 @@ def quality_metrics(turn_label: Array, solved: Array, signed_credit: Array | Non
     credited: `bool[B]` rows whose outcome advantage is non-zero (where `signed_credit` is
       defined); required with `signed_credit`.
     evidence: `f32[B, K]` turn evidence `s`, or None for an algorithm without one.
+    turn_value: `f32[B, K]` the turns' values (`gold_chain.turn_values`), or None.
 
   Returns:
     `credit/frac_useful` and `credit/labelled_turns`; with `signed_credit`,
     `credit/auc_weight{,_solved,_failed}`; with `evidence`, `credit/auc_evidence{,_solved,
-    _failed}` (NaN where a class is empty).
+    _failed}` (NaN where a class is empty). With `turn_value`, `credit/frac_progress`,
+    `credit/frac_culprit` and the same AUCs for progress vs. culprit turns, named `..._value`.
   """
-  labelled = turn_label != UNLABELLED
-  useful = turn_label == USEFUL
-  n = jnp.sum(labelled)
+  metrics = _aucs(turn_label != UNLABELLED, turn_label == USEFUL, solved, signed_credit,
+                  credited, evidence, "")
+  n = metrics.pop("n")
   metrics = {"credit/labelled_turns": n.astype(jnp.float32),
-             "credit/frac_useful": jnp.sum(useful) / jnp.maximum(n, 1).astype(jnp.float32)}
-  rows = {"": jnp.ones_like(solved), "_solved": solved, "_failed": ~solved}
-  for suffix, keep in rows.items():
-    if signed_credit is not None:
-      metrics[f"credit/auc_weight{suffix}"] = roc_auc(
-          signed_credit, useful, labelled & (keep & credited)[:, None])
-    if evidence is not None:
-      metrics[f"credit/auc_evidence{suffix}"] = roc_auc(evidence, useful,
-                                                        labelled & keep[:, None])
+             "credit/frac_useful": metrics.pop("positives") / jnp.maximum(n, 1), **metrics}
+  if turn_value is not None:
+    label = value_labels(turn_value)
+    value = _aucs((label == PROGRESS) | (label == CULPRIT), label == PROGRESS, solved,
+                  signed_credit, credited, evidence, "_value")
+    n = jnp.maximum(jnp.sum(label != UNLABELLED), 1)
+    value.pop("n")
+    metrics["credit/frac_progress"] = value.pop("positives") / n
+    metrics["credit/frac_culprit"] = jnp.sum(label == CULPRIT) / n
+    metrics.update(value)
   return metrics
 
 
-def batch_metrics(algo, inputs, token_advantages: Array, turn_label: Array) -> dict:
+def _aucs(labelled: Array, positive: Array, solved: Array, signed_credit: Array | None,
+          credited: Array | None, evidence: Array | None, name: str) -> dict:
+  """The AUCs of `quality_metrics` for `positive` vs. the other `labelled` turns (with
+  `n`, the labelled turns, and `positives`, float32)."""
+  metrics = {"n": jnp.sum(labelled).astype(jnp.float32),
+             "positives": jnp.sum(labelled & positive).astype(jnp.float32)}
+  rows = {"": jnp.ones_like(solved), "_solved": solved, "_failed": ~solved}
+  for suffix, keep in rows.items():
+    if signed_credit is not None:
+      metrics[f"credit/auc_weight{name}{suffix}"] = roc_auc(
+          signed_credit, positive, labelled & (keep & credited)[:, None])
+    if evidence is not None:
+      metrics[f"credit/auc_evidence{name}{suffix}"] = roc_auc(evidence, positive,
+                                                              labelled & keep[:, None])
+  return metrics
+
+
+def batch_metrics(algo, inputs, token_advantages: Array, turn_label: Array,
+                  turn_value: Array | None = None) -> dict:
   """`quality_metrics` of a batch as an algorithm credits it: its outcome advantages, turn
   evidence (`algo.turn_credit`, None for GRPO) and final token advantages.
 
@@ -81,12 +105,13 @@ def batch_metrics(algo, inputs, token_advantages: Array, turn_label: Array) -> d
     inputs: its `AdvantageInputs` (student log-probs filled in).
     token_advantages: `f32[B, T]` what `algo.advantages(inputs)` returned.
     turn_label: `i32[B, K]` (`turn_labels`).
+    turn_value: `f32[B, K]` (`turn_values`), or None.
   """
   outcome, _ = algo.outcome_advantages(inputs)
   turns = algo.turn_credit(outcome, inputs)
   signed = turn_signed_credit(token_advantages, outcome, inputs.turn_ids, inputs.max_turns)
   return quality_metrics(turn_label, inputs.rewards > 0, signed, outcome != 0,
-                         None if turns is None else turns.evidence)
+                         None if turns is None else turns.evidence, turn_value)
 
 
 def turn_signed_credit(token_advantages: Array, outcome: Array, turn_ids: Array,

@@ -52,8 +52,8 @@ class PolicyBatch:
       them: `UpdatePlan.on_policy`).
     score_from: static first column the loss and the entropy metric read (the rollout's
       prompt width), so the update's LM head skips the prompt region. 1 scores every column.
-    turn_label: `i32[B, K]` the rollout's turn labels (`credit_quality`), or None: the
-      credit-quality metrics, never the loss.
+    turn_label, turn_value: `i32[B, K]` / `f32[B, K]` the rollout's turn labels and values
+      (`gold_chain`), or None: the credit-quality metrics, never the loss.
   """
 
   tokens: Array
@@ -64,6 +64,7 @@ class PolicyBatch:
   inputs: AdvantageInputs
   score_from: int = struct.field(pytree_node=False, default=1)
   turn_label: Array | None = None
+  turn_value: Array | None = None
 
 
 def policy_batch(params: Any, rollout: Any, teacher_prompt: Array, teacher_prompt_mask: Array,
@@ -108,7 +109,8 @@ def policy_batch(params: Any, rollout: Any, teacher_prompt: Array, teacher_promp
   return PolicyBatch(tokens=tokens, mask=mask, teacher_tokens=teacher_tokens,
                      teacher_mask=teacher_mask, action_mask=rollout.action_mask.astype(bool),
                      inputs=jax.lax.stop_gradient(inputs), score_from=rollout.prompt_width,
-                     turn_label=getattr(rollout, "turn_label", None))
+                     turn_label=getattr(rollout, "turn_label", None),
+                     turn_value=getattr(rollout, "turn_value", None))
 
 
 def _by_micro_batch(fn, micro: int | None, micro_sharding: Any, *arrays):

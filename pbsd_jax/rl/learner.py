@@ -307,7 +307,8 @@ def policy_outputs(params: Any, batch: PolicyBatch, *, model: ModelConfig, algo:
 
 
 def policy_targets(algo: Any, inputs: AdvantageInputs, old_logp: Array,
-                   turn_label: Array | None = None) -> tuple[Targets, dict]:
+                   turn_label: Array | None = None, turn_value: Array | None = None
+                   ) -> tuple[Targets, dict]:
   """The algorithm's token advantages with `old_logp` as the student log-probs: `Targets`.
 
   The one place the learner computes advantages, whatever the update plan; `old_logp` is the
@@ -315,14 +316,16 @@ def policy_targets(algo: Any, inputs: AdvantageInputs, old_logp: Array,
 
   Returns:
     `(Targets, metrics)`: the algorithm's advantage metrics, and with `turn_label` (the
-    rollout's `gold_chain.turn_labels`) the credit-quality AUCs of its turn evidence and
-    of the final turn credit (`credit_quality.quality_metrics`).
+    rollout's `gold_chain.turn_labels`, and `turn_value`, its `turn_values`) the
+    credit-quality AUCs of its turn evidence and of the final turn credit
+    (`credit_quality.quality_metrics`).
   """
   old_logp = jax.lax.stop_gradient(old_logp)
   inputs = inputs.replace(logp_student=old_logp)
   advantages, loss_mask, metrics = algo.advantages(inputs)
   if turn_label is not None:
-    metrics = {**metrics, **credit_quality.batch_metrics(algo, inputs, advantages, turn_label)}
+    metrics = {**metrics, **credit_quality.batch_metrics(algo, inputs, advantages, turn_label,
+                                                         turn_value)}
   return Targets(old_logp=old_logp, advantages=advantages, loss_mask=loss_mask), metrics
 
 
@@ -390,14 +393,14 @@ def ppo_update(state: TrainState, batch: PolicyBatch, *, model: ModelConfig,
   b = batch.tokens.shape[0]
   n_micro, micro = plan.micro_batches(b, _shards(micro_sharding))
   targets, adv_metrics = policy_targets(algo, batch.inputs, batch.inputs.logp_student,
-                                        batch.turn_label)
+                                        batch.turn_label, batch.turn_value)
   rng, shuffle_rng = jax.random.split(state.rng)
   orders = [jax.random.permutation(jax.random.fold_in(shuffle_rng, e), b)
             for e in range(plan.epochs)]
   # [updates, n_micro, micro] row indices: epoch-major, then mini-batch.
   order = jnp.stack(orders).reshape(plan.epochs * plan.minibatches, n_micro, micro)
   # Every leaf has the row axis first.
-  rows_only = (batch.replace(inputs=None, turn_label=None), targets)
+  rows_only = (batch.replace(inputs=None, turn_label=None, turn_value=None), targets)
   loss_fn = lambda params, micro: policy_loss(params, *micro, model=model, algo=algo,
                                               chunk_size=plan.chunk_size,
                                               teacher_params=teacher_params)
@@ -447,7 +450,8 @@ def on_policy_update(state: TrainState, batch: PolicyBatch, *, model: ModelConfi
       lambda params: policy_outputs(params, batch, model=model, algo=algo,
                                     chunk_size=plan.chunk_size, teacher_params=teacher_params),
       state.params)
-  targets, adv_metrics = policy_targets(algo, batch.inputs, outputs.logp, batch.turn_label)
+  targets, adv_metrics = policy_targets(algo, batch.inputs, outputs.logp, batch.turn_label,
+                                        batch.turn_value)
   objective = lambda out: policy_objective(out, targets, batch.action_mask, algo)
   (loss, (weight, metrics)), d_outputs = jax.value_and_grad(objective, has_aux=True)(outputs)
   grads, = pullback(d_outputs)
