@@ -313,3 +313,39 @@ def test_flat_advantages_give_exactly_the_sign_of_the_outcome_in_any_turn_length
       tokens, outcome, jnp.asarray(turn_ids), 5))
   want = np.where(np.arange(5) < 4, np.sign(np.asarray(outcome))[:, None], 0.0)
   np.testing.assert_array_equal(got, want)
+
+
+def test_monte_carlo_values_of_oracle_trajectories_under_a_random_policy(kg, setup):
+  """Oracle trajectories continued by an untrained policy, which never solves a question on
+  its own: every continuation fails unless the trajectory's own answer is replayed, so the
+  answer turn's Monte Carlo value is exactly 1 and every search's 0; the world's values call
+  the answers progress, and they agree there."""
+  from pbsd_jax.agent.rollout import Agent
+  from pbsd_jax.agent.tokenizer import Tokenizer
+  from pbsd_jax.eval import label_check
+  env, model, params = setup
+  records = kg.records("sft")[:4]
+  agent = Agent(Sampler(model, temperature=1.0), env, Tokenizer(kg.vocab),
+                kg.retriever.index)
+  batch = label_check.question_batch(agent, records, prompt_width=P, gold_width=12)
+  forced = forced_batch([r["actions"] for r in records], kg.encode, MAX_TURNS, ACTION)
+  base = label_turns(ingraph_rollout(agent.sampler, env, params, batch["prompts"],
+                                     batch["prompt_mask"], jax.random.key(0), agent.search,
+                                     batch["gold"], None, *map(jnp.asarray, forced)),
+                     batch["gold_docs"])
+  np.testing.assert_array_equal(base.reward, np.ones(4))
+  got = label_check.monte_carlo_values(agent, params, batch, base, continuations=3,
+                                       rng=jax.random.key(1))
+  for b, r in enumerate(records):
+    n = len(r["actions"])
+    np.testing.assert_array_equal(got["mc"][b, :n], [0.0] * (n - 1) + [1.0])
+    assert np.all(np.isnan(got["mc"][b, n:]))
+  labels = np.asarray(gold_chain.value_labels(jnp.asarray(got["value"])))
+  answers = np.array([[k == len(r["actions"]) - 1 for k in range(MAX_TURNS)] for r in records])
+  assert np.all(labels[answers] == gold_chain.PROGRESS)
+  summary = label_check.agreement(got["value"], got["mc"])
+  assert summary["turns"] == sum(len(r["actions"]) for r in records)
+  assert summary["progress_turns"] >= 4
+  # A search's 0 agrees only with a neutral label; the answers all agree.
+  want = (4 + np.sum(labels[~answers & (labels > 0)] == gold_chain.NEUTRAL)) / summary["turns"]
+  assert summary["agreement"] == pytest.approx(want)

@@ -11,7 +11,7 @@ from pbsd_jax.agent.env.agent_env import (AgentEnv, KIND_ANSWER, KIND_EOS, KIND_
                                           KIND_SEARCH, assemble_observation, classify_turn)
 from pbsd_jax.agent.env.http import HttpRetriever, RetrievalServer
 from pbsd_jax.agent.env.observations import format_document
-from pbsd_jax.agent.rollout import host_rollout, ingraph_rollout
+from pbsd_jax.agent.rollout import host_rollout, ingraph_rollout, rollout_actions
 from pbsd_jax.agent.tokenizer import Tokenizer
 from pbsd_jax.data import vocab as vocab_lib
 from pbsd_jax.generate.sampling import Sampler
@@ -115,6 +115,36 @@ def test_oracle_replay_reproduces_actions_observations_and_turn_ids(kg, setup):
       col += len(want)
     assert int(out.length[b]) == col
   assert not np.any(np.asarray(out.action_mask[:, :P]))
+
+
+def test_a_forced_prefix_then_sampled_rollout_is_the_trajectory_then_the_policy(kg, setup):
+  """The oracle's first two turns replayed, the random policy after them."""
+  env, sampler, params = setup
+  records = kg.records("sft")[:6]
+  tokens, mask = _prompts(kg, records)
+  gold = _gold(kg, [r["golden_answers"] for r in records])
+  run = lambda rng, *forced, prefix=None: ingraph_rollout(
+      sampler, env, params, tokens, mask, rng, kg.retriever.index, gold, None, *forced,
+      prefix_turns=prefix)
+  oracle = _forced(kg, [r["actions"] for r in records])
+  full = run(jax.random.key(0), *oracle)
+  rng = jax.random.key(5)
+  mixed = run(rng, *oracle, prefix=jnp.int32(2))
+  ids, full_ids = np.asarray(mixed.turn_ids), np.asarray(full.turn_ids)
+  for b in range(len(records)):
+    start = int(np.argmax(full_ids[b] == 2))  # where the oracle's third turn began
+    np.testing.assert_array_equal(mixed.tokens[b, :start], full.tokens[b, :start])
+    assert np.any(ids[b] == 2) and not np.array_equal(mixed.tokens[b, start:start + 8],
+                                                      full.tokens[b, start:start + 8])
+  # The continuation is the environment's: forcing every action it took gives it back.
+  again = run(rng, *map(jnp.asarray, rollout_actions(mixed, MAX_TURNS, ACTION)))
+  for field in ("tokens", "turn_ids", "action_mask", "num_turns", "length", "reward",
+                "turn_kind", "turn_doc"):
+    np.testing.assert_array_equal(getattr(again, field), getattr(mixed, field), err_msg=field)
+  # A prefix of every turn is the replay; a prefix of none, the policy's own rollout.
+  np.testing.assert_array_equal(run(rng, *oracle, prefix=jnp.int32(MAX_TURNS)).tokens,
+                                full.tokens)
+  np.testing.assert_array_equal(run(rng, *oracle, prefix=jnp.int32(0)).tokens, run(rng).tokens)
 
 
 def test_observation_tokens_are_never_marked_as_actions(kg, setup):

@@ -314,8 +314,7 @@ def test_the_long_horizon_config_trains_at_test_size(tmp_path):
          "--config.data.splits.rl_validation=8", "--config.data.splits.sft=32",
          "--config.data.splits.ood_per_tier=4", "--config.data.splits.ood_pool=6"]
   proc = subprocess.run(cmd, env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""},
-                        capture_output=True,
-                        text=True, timeout=900)
+                        capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   with open(tmp_path / "data" / "manifest.json") as f:
     horizon = json.load(f)["horizon"]
@@ -325,6 +324,20 @@ def test_the_long_horizon_config_trains_at_test_size(tmp_path):
     sft = [json.loads(line) for line in f]
   assert horizon["derailed"] == sum(r["derailed"] for r in sft) / len(sft)
   assert [m["step"] for m in _metrics(tmp_path / "run") if m.get("stage") == "rl"][-1] == 1
+  # The Monte Carlo check of the turn values, on the SFT checkpoint.
+  proc = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "scripts", "check_labels.py"),
+       f"--config={os.path.join(ROOT, 'configs', 'long_horizon.py')}",
+       f"--ckpt_dir={tmp_path / 'run' / 'ckpt_sft'}", f"--config.data.dir={tmp_path / 'data'}",
+       *cmd[5:], "--questions=4", "--continuations=2", f"--out={tmp_path / 'check.json'}"],
+      env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}, capture_output=True,
+      text=True, timeout=900)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+  with open(tmp_path / "check.json") as f:
+    check = json.load(f)
+  value, mc = (np.array(check[k], dtype=float) for k in ("value", "mc"))
+  assert value.shape == (4, 16) and np.array_equal(np.isnan(value), np.isnan(mc))
+  assert check["summary"]["turns"] == int((~np.isnan(value)).sum()) > 0
 
 
 def test_embedded_questions_longer_than_the_prompt_width_fail_in_one_line(tmp_path):

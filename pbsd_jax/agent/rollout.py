@@ -284,8 +284,8 @@ def _group_ids(b: int, group_ids: Array | None) -> Array:
 def ingraph_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array,
                     prompt_mask: Array, rng: Array, index: DeviceIndex, gold: Array,
                     group_ids: Array | None = None, forced: Array | None = None,
-                    forced_length: Array | None = None, text: TokenText | None = None
-                    ) -> Rollout:
+                    forced_length: Array | None = None, text: TokenText | None = None,
+                    prefix_turns: Array | None = None) -> Rollout:
   """The whole multi-turn rollout as one XLA program, retrieving from a device index.
 
   Args:
@@ -303,6 +303,9 @@ def ingraph_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array,
     text: the vocabulary's `TokenText`, needed where the tags are several tokens: turns end
       and are classified on their text, queries are the tokens holding the query's bytes,
       and the reward is the exact match of the last answer span (as `host_rollout`'s).
+    prefix_turns: with `forced`, `i32[]`: force only the first `prefix_turns` turns and
+      sample the rest (a trajectory's prefix replayed, then continued; `rollout_actions`
+      reads a rollout's actions back); None: force every turn.
 
   Returns:
     A `Rollout`.
@@ -312,9 +315,15 @@ def ingraph_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array,
 
   def body(carry):
     ep, turn = carry
-    f = None if forced is None else (forced[turn], forced_length[turn])
-    ep, kind, query = _act(sampler, env, params, ep, jax.random.fold_in(rng, turn), turn,
-                           *(f or (None, None)), text=text, gold=gold)
+    act = functools.partial(_act, sampler, env, params, ep, jax.random.fold_in(rng, turn),
+                            turn, text=text, gold=gold)
+    if forced is None:
+      ep, kind, query = act()
+    elif prefix_turns is None:
+      ep, kind, query = act(forced[turn], forced_length[turn])
+    else:
+      ep, kind, query = jax.lax.cond(turn < prefix_turns,
+                                     lambda: act(forced[turn], forced_length[turn]), act)
     _, doc_ids = index.search(query, env.top_k)
     docs, lengths = index.documents(doc_ids)  # [B, k, L], [B, k]
     ep = _observe(sampler, env, params, ep, kind, turn, docs, lengths,
@@ -442,6 +451,20 @@ def host_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array, prompt
     reward[b] = rewards.trajectory_reward(segments, golds)
   return _finish(ep, prompt_mask, _group_ids(prompts.shape[0], group_ids), jnp.asarray(reward))
 
+
+
+def rollout_actions(rollout: Rollout, max_turns: int, width: int) -> tuple[np.ndarray,
+                                                                           np.ndarray]:
+  """A rollout's actions as `ingraph_rollout` forces them: `i32[max_turns, B, width]` tokens
+  and `i32[max_turns, B]` lengths (an action longer than `width` is cut)."""
+  tokens, turn_ids = np.asarray(rollout.tokens), np.asarray(rollout.turn_ids)
+  forced = np.zeros((max_turns, tokens.shape[0], width), np.int32)
+  lengths = np.zeros((max_turns, tokens.shape[0]), np.int32)
+  for b in range(tokens.shape[0]):
+    for k in range(max_turns):
+      action = tokens[b][turn_ids[b] == k][:width]
+      forced[k, b, :len(action)], lengths[k, b] = action, len(action)
+  return forced, lengths
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
