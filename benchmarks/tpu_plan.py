@@ -31,7 +31,7 @@ BUFFERS = (8192, 16384, 32768, 65536)
 TOPOLOGIES = ("v5e-16", "v5e-64", "v5e-256", "v5p-32", "v5p-128", "v4-64")
 # The share of HBM a program may plan for: XLA's own reservations and fragmentation.
 MARGIN = 0.9
-# The compiled update's total over the model's figure (its live set) on the 3B and 8B
+# The compiled update's total over the model's figure on the 3B and 8B
 # programs of docs/tpu.md: 1.3-1.6; a cell whose update needs it is marked "tight".
 UPDATE_LAYOUT = 1.5
 

@@ -45,7 +45,7 @@ def test_every_program_of_the_run_compiles_for_the_topology(micro):
     m = p["memory"]
     assert p["fits"] and 0 < m["total"] <= report["hbm"]
     assert m["total"] == m["argument"] + m["output"] - m["alias"] + m["temp"] + m["code"]
-    assert 0 < m["peak"] <= m["total"]  # the compiler's live peak, printed beside the total
+    assert m["peak"] > 0 and "compiler's peak" in stdout  # peak_memory_in_bytes, as reported
     # The train state is donated: its outputs live in the arguments' buffers.
     if p["name"] != "eval_rollout":
       assert m["alias"] > 0

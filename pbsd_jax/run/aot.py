@@ -364,7 +364,7 @@ def analyse(program: Program, chip: Chip) -> Report:
   memory = {"argument": m.argument_size_in_bytes, "output": m.output_size_in_bytes,
             "alias": m.alias_size_in_bytes, "temp": m.temp_size_in_bytes,
             "code": m.generated_code_size_in_bytes,
-            # The compiler's own peak of live bytes, before its code generation's additions.
+            # As the compiler reports it: not a part of the total (docs/tpu.md).
             "peak": getattr(m, "peak_memory_in_bytes", 0)}
   memory["total"] = train.program_bytes(compiled)
   xla = compiled.cost_analysis()
@@ -402,7 +402,7 @@ def describe(report: Report, chip: Chip) -> str:
       f"  arguments {size_text(m['argument'])}, outputs {size_text(m['output'])} "
       f"(aliased {size_text(m['alias'])}), temporaries {size_text(m['temp'])}, "
       f"code {size_text(m['code'])}"
-      + (f"; live peak {size_text(m['peak'])}" if m.get("peak") else ""),
+      + (f"; compiler's peak {size_text(m['peak'])}" if m.get("peak") else ""),
       f"  memory model: {size_text(e['total'])} "
       f"({', '.join(f'{k} {size_text(v)}' for k, v in e.items() if k != 'total' and v)})",
       f"  XLA cost analysis (loop bodies once): {report.xla_flops:.3g} FLOP, "
