@@ -3,8 +3,9 @@
 For each model shape, context buffer and slice, the recipe of `configs/search_r1.py` (32
 prompts x 8 trajectories, float32 master weights, bfloat16 compute, remat, an HTTP
 retriever: the host turn loop and the update) is tried with meshes (FSDP over the chips, with
-tensor parallelism of 1 to 8) and micro-batches (4 down to 1 row per device), in that order; the first that fits (`memory_model.estimate` of the update and of the turn loop's
-programs, within the chip's HBM less a margin) is the cell, with its per-device need and the
+tensor parallelism of 1 to 8) and micro-batches (4 down to 1 row per device), in that order;
+the first that fits (`memory_model.estimate` of the update and of the turn loop's programs,
+within the chip's HBM less a margin) is the cell, with its per-device need and the
 step's roofline split (`memory_model.step_seconds`). `--compiled=qwen2.5-3b@8192=a.json,...`
 (`scripts/aot_compile.py --json` reports; `qwen3-8b@8192@64=b.json` for a micro-batch of 64
 rows, 32 otherwise: the recipe's) marks the cells the compiler checked, and where the compiler

@@ -17,8 +17,8 @@ and top-p 1, evaluation top-p 0.95. The context and turn budgets are the fields 
 (the paper's largest runs hold 64K tokens and up to 300 turns). These defaults (8K tokens,
 float32 master weights, bfloat16 compute) fit Qwen2.5-3B's training on a v5e-16 (12.6 of 16
 GB per chip, compiled), v5p-32 or v4-64 slice (docs/tpu.md; `scripts/aot_compile.py
---topology=...` checks a slice before it is rented). No SFT by default: `sft.steps` with `data.sft_files` (JSONL of `question` +
-`trajectory`) adds one.
+--topology=...` checks a slice before it is rented). No SFT by default: `sft.steps` with
+`data.sft_files` (JSONL of `question` + `trajectory`) adds one.
 """
 
 import os

@@ -36,8 +36,8 @@ from pbsd_jax import protocol
 from pbsd_jax.data import questions as questions_lib, world as world_lib
 
 DETOUR_KINDS = ("neighbour", "question")
-_ANSWER_RE = re.compile(re.escape(protocol.ANSWER_OPEN) + r" (.*) " + re.escape(protocol.ANSWER_CLOSE))
 DETOUR_SHARE = 0.15  # the embedded task's default share of trajectories that take a detour
+_ANSWER = re.compile(f"{re.escape(protocol.ANSWER_OPEN)} (.*) {re.escape(protocol.ANSWER_CLOSE)}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,7 +246,7 @@ def horizon(trajectories: list[Trajectory]) -> dict[str, Any]:
       slipped[k] += 1
   reach = [sum(t.question.hops > k for t in trajectories) for k in range(hops)]
   slips = [s for t in trajectories for s in t.slips]
-  correct = sum(_ANSWER_RE.search(t.actions[-1]).group(1) in t.question.golden_answers
+  correct = sum(_ANSWER.search(t.actions[-1]).group(1) in t.question.golden_answers
                 for t in trajectories)
   return {
       "trajectories": n,

@@ -222,8 +222,8 @@ def run_programs(spec: RunSpec, task: Task, mesh: Mesh) -> list[Program]:
     tokens = jax.ShapeDtypeStruct((batch, width), jnp.int32, sharding=rows)
     flags = jax.ShapeDtypeStruct((batch, width), jnp.bool_, sharding=rows)
     step = learner.make_sft_step(model, tx, spec.sft.plan, mesh=mesh)
-    out.append(Program("sft_step", functools.partial(step.lower, state, tokens, flags, flags), {}, 1,
-                       "sft.batch_size, env.buffer_size, model.remat, model.param_dtype",
+    out.append(Program("sft_step", functools.partial(step.lower, state, tokens, flags, flags),
+                       {}, 1, "sft.batch_size, env.buffer_size, model.remat, model.param_dtype",
                        estimate("sft")))
 
   tx, algo, plan = rl.optimizer, spec.algorithm, rl.plan
