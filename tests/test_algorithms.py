@@ -290,3 +290,25 @@ def test_pbsd_gradient_equals_grpo_gradient_with_the_same_token_advantages():
   assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(g_grpo)) > 1e-4
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7),
                g_pbsd, g_grpo)
+
+
+def test_oracle_credit_weights_each_turn_by_its_value_by_hand():
+  """One group of two rows: solved (A = +1/sqrt(2)) and failed (A = -1/sqrt(2)); two turns
+  of two tokens each. Values: row 0 +0.3 (progress) and +0.01 (inside the 0.02 deadband);
+  row 1 -0.2 (a culprit) and NaN (unlabelled)."""
+  turn_ids = jnp.array([[0, 0, 1, 1, -1], [0, 0, 1, 1, -1]])
+  inputs = AdvantageInputs(rewards=jnp.array([1.0, 0.0]), action_mask=turn_ids >= 0,
+                           turn_ids=turn_ids, step=jnp.int32(0), max_turns=2,
+                           turn_value=jnp.array([[0.3, 0.01], [-0.2, jnp.nan]]))
+  algo = algorithms.get("oracle_credit", group_size=2)
+  adv, mask, metrics = algo.advantages(inputs)
+  a = 1 / np.sqrt(2)
+  # w = 1 + 0.1 tanh(sign(A) v~ / 0.1): row 0 turn 0 1 + 0.1 tanh(3); row 1 turn 0 (a culprit
+  # in a failed row: its negative advantage grows) 1 + 0.1 tanh(2); the others 1.
+  w = np.array([[1 + 0.1 * np.tanh(3.0), 1.0], [1 + 0.1 * np.tanh(2.0), 1.0]])
+  want = np.array([[a * w[0, 0]] * 2 + [a] * 2 + [0.0], [-a * w[1, 0]] * 2 + [-a] * 2 + [0.0]])
+  np.testing.assert_allclose(np.where(mask, adv, 0.0), want, rtol=1e-5)
+  assert float(metrics["credit/frac_deadband"]) == 0.5
+  assert "logp_teacher" not in algo.needs  # no teacher pass: its evidence is the world's
+  with pytest.raises(ValueError, match="turn_value"):
+    algo.advantages(inputs.replace(turn_value=None))

@@ -227,3 +227,12 @@ def test_tiny_size_takes_the_vocabulary_size():
   config = train.build_model_config(load("demo"), vocab_size=2048)
   assert isinstance(config, ModelConfig) and config.vocab_size == 2048
   assert set(SIZES) >= {"tiny", "qwen2.5-0.5b", "qwen3-0.6b", "qwen3-8b", "llama3-8b"}
+
+
+def test_oracle_credit_needs_the_gold_chains_of_the_embedded_task():
+  with pytest.raises(train.ConfigError,
+                     match=r"^config\.algorithm='oracle_credit': needs the gold chains"):
+    train.validate(load("pbsd", "--config.algorithm=oracle_credit",
+                        "--config.data.train_files=/data/nq_train.jsonl"), num_devices=1)
+  assert train.build_algorithm(load("long_horizon", "--config.algorithm=oracle_credit",
+                                    "--config.oracle_credit.clip=0.5")).clip == 0.5

@@ -302,7 +302,8 @@ def test_the_generator_fields_make_the_dataset_and_a_made_one_must_match(tmp_pat
 
 def test_the_long_horizon_config_trains_at_test_size(tmp_path):
   """configs/long_horizon.py as shipped (its world, chains, slips, 16 turns, 1,024 slots, the
-  demo's optimiser and update) with the micro model and few questions."""
+  demo's optimiser and update) with the micro model and few questions, trained with oracle
+  credit (its RL step reads the rollouts' turn values)."""
   small = [f for f in SMALL if f.split("=")[0] not in (
       "--config.env.buffer_size", "--config.env.max_turns", "--config.optim.lr",
       "--config.sft.schedule", "--config.data.prompt_width")]
@@ -310,7 +311,8 @@ def test_the_long_horizon_config_trains_at_test_size(tmp_path):
          f"--config={os.path.join(ROOT, 'configs', 'long_horizon.py')}",
          f"--workdir={tmp_path / 'run'}", f"--config.data.dir={tmp_path / 'data'}", *small,
          "--config.sft.warmup_steps=1", "--config.optim.warmup_steps=0",
-         "--config.rl.steps=1", "--config.eval.every=0", "--config.data.splits.rl_train=32",
+         "--config.rl.steps=1", "--config.eval.every=0", "--config.algorithm=oracle_credit",
+         "--config.data.splits.rl_train=32",
          "--config.data.splits.rl_validation=8", "--config.data.splits.sft=32",
          "--config.data.splits.ood_per_tier=4", "--config.data.splits.ood_pool=6"]
   proc = subprocess.run(cmd, env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""},
@@ -323,7 +325,9 @@ def test_the_long_horizon_config_trains_at_test_size(tmp_path):
   with open(tmp_path / "data" / "sft.jsonl") as f:
     sft = [json.loads(line) for line in f]
   assert horizon["derailed"] == sum(r["derailed"] for r in sft) / len(sft)
-  assert [m["step"] for m in _metrics(tmp_path / "run") if m.get("stage") == "rl"][-1] == 1
+  rl = [m for m in _metrics(tmp_path / "run") if m.get("stage") == "rl"]
+  assert rl[-1]["step"] == 1
+  assert 0 <= rl[-1]["credit/frac_deadband"] <= 1 and "credit/auc_evidence_value" in rl[-1]
   # The Monte Carlo check of the turn values, on the SFT checkpoint.
   proc = subprocess.run(
       [sys.executable, os.path.join(ROOT, "scripts", "check_labels.py"),

@@ -192,9 +192,18 @@ def pbsd_advantages(advantages: Array, logp_teacher: Array, logp_student: Array,
   """
   log_ratio = jax.lax.stop_gradient(logp_teacher - logp_student)
   evidence = turn_evidence(log_ratio, turn_ids, max_turns, reduction)
+  return credit_from_evidence(advantages, evidence, turn_ids, delta=delta, clip=clip,
+                              eps_pos=eps_pos, eps_neg=eps_neg, form=form)
+
+
+def credit_from_evidence(advantages: Array, evidence: Array, turn_ids: Array, *, delta: float,
+                         clip: float, eps_pos: float, eps_neg: float, form: str
+                         ) -> tuple[Array, TurnCredit, dict]:
+  """`pbsd_advantages` from turn evidence `f32[B, K]` however it was found: `deadband`,
+  `modulation_weights`, `token_advantages`, and the metrics of `credit_metrics`."""
   filtered = deadband(evidence, eps_pos, eps_neg)
   weights = modulation_weights(advantages, filtered, delta, clip, form)
-  exists = turn_token_counts(turn_ids, max_turns) > 0
+  exists = turn_token_counts(turn_ids, evidence.shape[1]) > 0
   metrics = credit_metrics(evidence, filtered, weights, exists)
   return (token_advantages(advantages, weights, turn_ids),
           TurnCredit(evidence=evidence, filtered=filtered, weights=weights), metrics)

@@ -105,7 +105,9 @@ def policy_batch(params: Any, rollout: Any, teacher_prompt: Array, teacher_promp
   inputs = AdvantageInputs(rewards=rollout.reward, action_mask=rollout.action_mask,
                            turn_ids=rollout.turn_ids, step=step, max_turns=max_turns,
                            logp_student=logp_student, logp_teacher=logp_teacher,
-                           divergence=divergence, entropy=entropy)
+                           divergence=divergence, entropy=entropy,
+                           turn_value=(getattr(rollout, "turn_value", None)
+                                       if "turn_value" in algo.needs else None))
   return PolicyBatch(tokens=tokens, mask=mask, teacher_tokens=teacher_tokens,
                      teacher_mask=teacher_mask, action_mask=rollout.action_mask.astype(bool),
                      inputs=jax.lax.stop_gradient(inputs), score_from=rollout.prompt_width,

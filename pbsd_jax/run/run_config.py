@@ -505,6 +505,9 @@ def validate(config, num_devices: int | None = None) -> RunSpec:
   model = model_before_data(config)
   if not config.data.train_files:
     dataset_args(config)
+  elif "turn_value" in algorithm.needs:
+    _fail("algorithm", config.algorithm, "needs the gold chains of the embedded task's "
+          "questions (its turn values); config.data.train_files has none")
   if config.data.prompt_template not in protocol.PROMPT_TEMPLATES:
     _fail("data.prompt_template", config.data.prompt_template,
           f"must be one of {sorted(protocol.PROMPT_TEMPLATES)}")

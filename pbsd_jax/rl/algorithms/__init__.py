@@ -3,8 +3,10 @@
 `get(name, **hparams)` returns a frozen, hashable algorithm object (a valid static argument of
 `jax.jit`) configured with its hyperparameters; unknown names or hyperparameters, and
 inconsistent values, fail here with a `ValueError` naming the field. `names()` lists the
-registered algorithms: `grpo`, `pbsd`, `opsd`, `rlsd`, `gear` (docs/design.md §2). Every one is GRPO
-with the DAPO switches plus its own fields; see each class for the defaults.
+registered algorithms: `grpo`, `pbsd`, `opsd`, `rlsd`, `gear` (docs/design.md §2) and
+`oracle_credit` (PBSD with the world's turn values as its evidence: an upper bound on the
+embedded task). Every one is GRPO with the DAPO switches plus its own fields; see each class
+for the defaults.
 
 The protocol (what the learner calls, per step; the teacher view of a rollout is
 `privileged.teacher_sequence(tokens, mask, teacher_prompt, teacher_prompt_mask)`;
@@ -41,6 +43,7 @@ from pbsd_jax.rl.algorithms.grpo import (GRPO, dynamic_sampling_mask, group_adva
                                          overlong_penalty)
 from pbsd_jax.rl.algorithms.inputs import AdvantageInputs
 from pbsd_jax.rl.algorithms.opsd import OPSD, distillation_loss
+from pbsd_jax.rl.algorithms.oracle_credit import OracleCredit
 from pbsd_jax.rl.algorithms.pbsd import PBSD
 from pbsd_jax.rl.algorithms.policy_loss import (AGGREGATIONS, aggregate_loss, clipped_surrogate,
                                                 masked_mean, policy_loss)
@@ -48,7 +51,8 @@ from pbsd_jax.rl.algorithms.rlsd import RLSD, rlsd_credit, rlsd_lambda
 
 Algorithm = GRPO  # every registered algorithm is a GRPO subclass
 
-_REGISTRY: dict[str, type[GRPO]] = {cls.name: cls for cls in (GRPO, PBSD, OPSD, RLSD, GEAR)}
+_REGISTRY: dict[str, type[GRPO]] = {cls.name: cls for cls in (GRPO, PBSD, OPSD, RLSD, GEAR,
+                                                                OracleCredit)}
 
 
 def names() -> tuple[str, ...]:

@@ -29,6 +29,8 @@ class AdvantageInputs:
     divergence: `f32[B, T]` per-token `KL(student || teacher)` over the full vocabulary,
       current parameters, privileged teacher (`token_divergence(params, params, ..., beta=1)`).
     entropy: `f32[B, T]` student next-token entropy (same call, `with_entropy=True`).
+    turn_value: `f32[B, K]` each turn's value (`gold_chain.turn_values`; NaN where
+      unlabelled), from the rollout's gold chains.
   """
 
   rewards: Array
@@ -40,6 +42,7 @@ class AdvantageInputs:
   logp_teacher: Array | None = None
   divergence: Array | None = None
   entropy: Array | None = None
+  turn_value: Array | None = None
 
   @property
   def response_length(self) -> Array:
