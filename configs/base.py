@@ -38,7 +38,9 @@ def get_config() -> ml_collections.ConfigDict:
   # `question`, `golden_answers`): `train_files`, `eval_files`, and `sft_files` (JSONL of
   # `question` + `trajectory` text). `corpus`: a corpus JSONL (`id`, `contents`) for the
   # ingraph/host/bm25s retrievers (default: the embedded corpus). `chat_template`: render
-  # prompts with the init_dir model's chat template. The embedded task's generator
+  # prompts with the init_dir model's chat template. `teacher_prompt`: the teacher's
+  # privileged block, "answer" (the paper's: the verified answer) or "chain" (the answer and
+  # the gold chain's entity names; the embedded task only). The embedded task's generator
   # (pbsd_jax/data; a made `dir` must hold a dataset made with these):
   # - `world`: entity counts and `family_rate`, the share of names with confusable variants.
   # - `splits`: question counts per split, `hop_weights` (the in-domain sampling weights of 1,
@@ -53,7 +55,8 @@ def get_config() -> ml_collections.ConfigDict:
       splits={k: v for k, v in dataclasses.asdict(splits.SplitSizes()).items()
               if k != "heldout_bigrams"},
       oracle=dict(detour_share=oracle.DETOUR_SHARE, **dataclasses.asdict(oracle.Slips())),
-      prompt_width=72, gold_width=12, prompt_template="default", train_files="",
+      prompt_width=72, gold_width=12, prompt_template="default", teacher_prompt="answer",
+      train_files="",
       eval_files="", sft_files="", corpus="", chat_template=True))
 
   # Environment: `retriever` is "ingraph" (a device BM25 index, whole step in one jit), "host"

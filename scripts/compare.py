@@ -147,7 +147,7 @@ def main(argv):
         prompt_width=settings.data.prompt_width, gold_width=settings.data.gold_width,
         template=settings.data.template, samples_per_question=_SAMPLES.value,
         pass_k=tuple(k for k in settings.eval.pass_k if k <= _SAMPLES.value),
-        credit_algo=settings.algorithm,
+        credit_algo=settings.algorithm, teacher_template=settings.data.teacher_template,
         progress=lambda it, **kw: tqdm.tqdm(it, leave=False, **kw))
         for i, (name, records) in enumerate(splits.items()) if name not in result}
     _write_json(path, result)

@@ -82,7 +82,7 @@ def main(argv):
         gold_width=spec.data.gold_width, template=spec.data.template,
         samples_per_question=samples, pass_k=spec.eval.pass_k,
         progress=lambda it, **kw: tqdm.tqdm(it, leave=False, **kw),
-        credit_algo=spec.algorithm)
+        credit_algo=spec.algorithm, teacher_template=spec.data.teacher_template)
     results["splits"][name] = got
     print(f"\n{name} ({len(records)} questions), {os.path.basename(ckpt_dir)}"
           f"{'' if step is None else f' step {step}'}")

@@ -115,6 +115,7 @@ def test_command_line_overrides_reach_the_algorithm():
     ("--config.data.world.people=321", "config.data.world.people"),
     ("--config.data.splits.hop_weights=(0.5,-0.1)", "config.data.splits.hop_weights"),
     ("--config.data.splits.ood_hard_hops=4", "config.data.splits.ood_hard_hops"),
+    ("--config.data.teacher_prompt=hints", "config.data.teacher_prompt"),
     # The retrieval client's settings, whichever retriever is chosen.
     ("--config.env.timeout_s=0.0", "config.env.timeout_s"),
     ("--config.env.max_retries=-1", "config.env.max_retries"),
@@ -236,3 +237,10 @@ def test_oracle_credit_needs_the_gold_chains_of_the_embedded_task():
                         "--config.data.train_files=/data/nq_train.jsonl"), num_devices=1)
   assert train.build_algorithm(load("long_horizon", "--config.algorithm=oracle_credit",
                                     "--config.oracle_credit.clip=0.5")).clip == 0.5
+
+
+def test_the_chain_teacher_prompt_needs_the_embedded_task():
+  with pytest.raises(train.ConfigError, match=r"^config\.data\.teacher_prompt='chain': states "
+                                              r"the gold chain"):
+    train.validate(load("pbsd", "--config.data.teacher_prompt=chain",
+                        "--config.data.train_files=/data/nq_train.jsonl"), num_devices=1)

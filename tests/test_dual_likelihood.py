@@ -143,6 +143,18 @@ def test_template_without_answer_field_is_rejected():
     privileged.privileged_block("42", template="no field here")
 
 
+def test_the_chain_block_states_the_answer_and_the_gold_chain():
+  record = {"golden_answers": ["Talvoria"], "chain_names": ["Velora Quint", "Quint Dynamics",
+                                                            "Talvoria"]}
+  block = privileged.privileged_block("Talvoria", privileged.TEMPLATES["chain"],
+                                      privileged.chain_text(record))
+  assert block == ("(Teacher-only) The verified answer is: Talvoria. The facts lead through: "
+                   "Velora Quint -> Quint Dynamics -> Talvoria. Reason and search as if you did "
+                   "not know them.\n")
+  with pytest.raises(ValueError, match="gold chain"):
+    privileged.privileged_block("Talvoria", privileged.TEMPLATES["chain"])
+
+
 def test_left_pad_right_aligns_real_tokens():
   tokens, mask = privileged.left_pad([[5, 6], [7], []], width=3, pad_id=0)
   np.testing.assert_array_equal(tokens, [[0, 5, 6], [0, 0, 7], [0, 0, 0]])

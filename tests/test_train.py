@@ -357,3 +357,22 @@ def test_embedded_questions_longer_than_the_prompt_width_fail_in_one_line(tmp_pa
                            r"\(privileged\) question \d+ has \d+ tokens, more than the prompt "
                            r"width 40"):
     task_lib.prepare_task(spec, str(tmp_path))
+
+
+def test_the_chain_teacher_prompt_reaches_the_rl_batch(kg, tmp_path):
+  """`data.teacher_prompt=chain`: the teacher's prompt (RL's, and SFT's teacher rows, which
+  read the same batch) states each question's answer and gold chain; the student's does not."""
+  from pbsd_jax.agent import privileged
+  from pbsd_jax.run import task as task_lib
+  from test_configs import load_spec
+  spec = load_spec("pbsd", *SMALL, "--config.data.teacher_prompt=chain",
+                   "--config.data.prompt_width=160",
+                   f"--config.data.dir={os.path.dirname(kg.paths['spm_model'])}")
+  task = task_lib.prepare_task(spec, str(tmp_path))
+  records = task.splits["rl_train"][:4]
+  batch = task_lib.rl_batch(task, spec.data, records)
+  for b, r in enumerate(records):
+    student = task.tokenizer.decode(batch["prompts"][b][batch["prompt_mask"][b]])
+    teacher = task.tokenizer.decode(batch["teacher_prompt"][b][batch["teacher_prompt_mask"][b]])
+    assert " -> ".join(r["chain_names"]) in teacher and privileged.chain_text(r) not in student
+    assert teacher.startswith(student)

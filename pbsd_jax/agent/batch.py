@@ -8,7 +8,7 @@ answers, the teacher's.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -23,6 +23,7 @@ def prompt_region(questions: Sequence[str], encode: Encode, width: int,
                   template: str = protocol.DEFAULT_PROMPT_TEMPLATE, *,
                   answers: Sequence[str] | None = None,
                   privileged_template: str = privileged.DEFAULT_PRIVILEGED_TEMPLATE,
+                  chains: Sequence[str] | None = None,
                   chat: Callable[[str], str] | None = None) -> dict[str, np.ndarray]:
   """The prompt region of B questions (docs/design.md §3), left-padded with 0 to `width` = P.
 
@@ -34,6 +35,7 @@ def prompt_region(questions: Sequence[str], encode: Encode, width: int,
     answers: B verified answers: also build the teacher's privileged prompts
       (`privileged.dual_prompts`), which must fit the same width.
     privileged_template: the privileged block of the teacher prompt.
+    chains: B gold chains (`privileged.chain_text`), for a block that states them.
     chat: renders a user message as the model's prompt text (`Tokenizer.chat`: its chat template
       with the assistant's turn opened), or None for the plain prompt. The teacher's user
       message is the student's with the privileged block after it; the regions still share
@@ -58,17 +60,27 @@ def prompt_region(questions: Sequence[str], encode: Encode, width: int,
     return {"prompts": tokens, "prompt_mask": mask}
   if chat is None:
     tokens, mask, teacher, teacher_mask = privileged.dual_prompts(
-        student, answers, encode, width, pad_id=0, template=privileged_template)
+        student, answers, encode, width, pad_id=0, template=privileged_template,
+        chains=chains)
   else:
     tokens, mask = privileged.left_pad(student, width, pad_id=0)
     try:
       teacher, teacher_mask = privileged.left_pad(
-          [encode(chat(m + privileged.privileged_block(a, privileged_template)))
-           for m, a in zip(messages, answers)], width, pad_id=0)
+          [encode(chat(m + privileged.privileged_block(a, privileged_template, c)))
+           for m, a, c in zip(messages, answers, chains or [None] * len(answers))],
+          width, pad_id=0)
     except ValueError as e:
       raise ValueError(f"teacher (privileged) {e}; raise data.prompt_width") from None
   return {"prompts": tokens, "prompt_mask": mask, "teacher_prompt": teacher,
           "teacher_prompt_mask": teacher_mask}
+
+
+def teacher_inputs(records: Sequence[Mapping], template: str) -> dict:
+  """`prompt_region`'s teacher arguments for `records`: each one's first gold answer, the
+  privileged `template` and, where it states the gold chain, the records' chains."""
+  return dict(answers=[r["golden_answers"][0] for r in records], privileged_template=template,
+              chains=([privileged.chain_text(r) for r in records] if "{chain}" in template
+                      else None))
 
 
 def gold_batch(golden_answers: Sequence[Sequence[str]], encode: Encode,

@@ -24,32 +24,52 @@ Array = jax.Array
 DEFAULT_PRIVILEGED_TEMPLATE = (
     "(Teacher-only) The verified answer is: {answer}. Reason and search as if you did not know "
     "it.\n")
+# The privileged blocks a run may choose (`config.data.teacher_prompt`): the paper's (the
+# answer), or the answer and the gold chain's entity names (`chain_text`: an upper bound on
+# what the teacher can know, for the embedded task's questions).
+TEMPLATES = {
+    "answer": DEFAULT_PRIVILEGED_TEMPLATE,
+    "chain": ("(Teacher-only) The verified answer is: {answer}. The facts lead through: "
+              "{chain}. Reason and search as if you did not know them.\n"),
+}
 
 
-def privileged_block(answer: str, template: str = DEFAULT_PRIVILEGED_TEMPLATE) -> str:
-  """The privileged text for `answer`: `template` with its `{answer}` field filled."""
+def chain_text(record) -> str:
+  """A record's gold chain as the `chain` template states it: its entity names in order."""
+  return " -> ".join(record["chain_names"])
+
+
+def privileged_block(answer: str, template: str = DEFAULT_PRIVILEGED_TEMPLATE,
+                     chain: str | None = None) -> str:
+  """The privileged text for `answer`: `template` with its `{answer}` field filled, and its
+  `{chain}` field, when it has one, with `chain`."""
   if "{answer}" not in template:
     raise ValueError(f"privileged template must contain an '{{answer}}' field: {template!r}")
   if not answer.strip():
     raise ValueError("the verified answer is empty; the teacher would be told nothing")
-  return template.format(answer=answer)
+  if "{chain}" in template and not chain:
+    raise ValueError("the privileged template states the gold chain, which this question "
+                     "does not have")
+  return template.format(answer=answer, chain=chain)
 
 
 def privileged_prompt(student_prompt: Sequence[int], answer: str,
                       encode: Callable[[str], list[int]],
-                      template: str = DEFAULT_PRIVILEGED_TEMPLATE) -> list[int]:
+                      template: str = DEFAULT_PRIVILEGED_TEMPLATE,
+                      chain: str | None = None) -> list[int]:
   """Teacher prompt ids: the student prompt ids followed by the encoded privileged block.
 
   Args:
     student_prompt: the unpadded student prompt token ids.
     answer: the verified answer `y*`.
     encode: the tokenizer, text -> token ids (no BOS/EOS added).
-    template: the privileged block, with an `{answer}` field.
+    template: the privileged block, with an `{answer}` field (and maybe a `{chain}` one).
+    chain: the gold chain (`chain_text`), for a template that states it.
 
   Returns:
     The unpadded teacher prompt token ids.
   """
-  return list(student_prompt) + list(encode(privileged_block(answer, template)))
+  return list(student_prompt) + list(encode(privileged_block(answer, template, chain)))
 
 
 def left_pad(prompts: Sequence[Sequence[int]], width: int,
@@ -81,7 +101,8 @@ def left_pad(prompts: Sequence[Sequence[int]], width: int,
 
 def dual_prompts(student_prompts: Sequence[Sequence[int]], answers: Sequence[str],
                  encode: Callable[[str], list[int]], width: int, pad_id: int,
-                 template: str = DEFAULT_PRIVILEGED_TEMPLATE):
+                 template: str = DEFAULT_PRIVILEGED_TEMPLATE,
+                 chains: Sequence[str] | None = None):
   """Student and teacher prompt regions, both left-padded to the same width P.
 
   Args:
@@ -91,6 +112,7 @@ def dual_prompts(student_prompts: Sequence[Sequence[int]], answers: Sequence[str
     width: P; must hold the longer, teacher prompts.
     pad_id: padding id.
     template: the privileged block.
+    chains: B gold chains (`chain_text`), for a template that states them.
 
   Returns:
     `(student_tokens i32[B, P], student_mask bool[B, P], teacher_tokens i32[B, P],
@@ -98,7 +120,9 @@ def dual_prompts(student_prompts: Sequence[Sequence[int]], answers: Sequence[str
   """
   if len(student_prompts) != len(answers):
     raise ValueError(f"got {len(student_prompts)} prompts but {len(answers)} answers")
-  teacher = [privileged_prompt(p, a, encode, template) for p, a in zip(student_prompts, answers)]
+  chains = chains or [None] * len(answers)
+  teacher = [privileged_prompt(p, a, encode, template, c)
+             for p, a, c in zip(student_prompts, answers, chains)]
   try:
     teacher_tokens, teacher_mask = left_pad(teacher, width, pad_id)
   except ValueError as e:

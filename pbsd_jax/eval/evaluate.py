@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from pbsd_jax import protocol
-from pbsd_jax.agent import gold_chain
-from pbsd_jax.agent.batch import prompt_region, reward_gold
+from pbsd_jax.agent import gold_chain, privileged
+from pbsd_jax.agent.batch import prompt_region, reward_gold, teacher_inputs
 from pbsd_jax.agent.rollout import Agent
 from pbsd_jax.models import ModelConfig
 from pbsd_jax.rl import credit_quality
@@ -163,7 +163,8 @@ def evaluate(agent: Agent, params: Any, records: Sequence[Mapping], *, batch_siz
              pass_k: Sequence[int] = DEFAULT_PASS_K,
              template: str = protocol.DEFAULT_PROMPT_TEMPLATE,
              progress: Callable[..., Iterable] = lambda it, **kw: it,
-             credit_algo: Any = None) -> dict:
+             credit_algo: Any = None,
+             teacher_template: str = privileged.DEFAULT_PRIVILEGED_TEMPLATE) -> dict:
   """Rolls the policy out on `records` and returns `summarize`'s statistics.
 
   Args:
@@ -183,6 +184,7 @@ def evaluate(agent: Agent, params: Any, records: Sequence[Mapping], *, batch_siz
     credit_algo: the run's algorithm: when it computes turn evidence (PBSD, RLSD) and every
       record has a gold chain, each trajectory is also scored on its teacher prompt and the
       result gains `credit` (`credit_summary`, pooled over every labelled turn of the split).
+    teacher_template: the teacher's privileged block (the run's `data.teacher_template`).
 
   Returns:
     The dict of `summarize` (and `credit`).
@@ -198,9 +200,9 @@ def evaluate(agent: Agent, params: Any, records: Sequence[Mapping], *, batch_siz
   with_credit = (credit_algo is not None and "logp_teacher" in credit_algo.needs
                  and all("chain" in r for r in records))
   tokenizer = agent.tokenizer
+  teacher = teacher_inputs(records, teacher_template) if with_credit else {}
   region = prompt_region([r["question"] for r in records], tokenizer.encode, prompt_width,
-                         template, answers=([r["golden_answers"][0] for r in records]
-                                            if with_credit else None), chat=tokenizer.chat)
+                         template, **teacher, chat=tokenizer.chat)
   gold = reward_gold([r["golden_answers"] for r in records], tokenizer, gold_width)
   gold_docs = (gold_chain.gold_doc_batch(records, max(r["hops"] for r in records)) if with_credit
                else None)

@@ -23,6 +23,7 @@ import jax
 from jax.sharding import Mesh
 
 from pbsd_jax import protocol
+from pbsd_jax.agent import privileged
 from pbsd_jax.agent.env.agent_env import AgentEnv
 from pbsd_jax.agent.env.http import HttpRetriever
 from pbsd_jax.data import oracle as oracle_lib, splits as splits_lib, world as world_lib
@@ -295,6 +296,7 @@ class DataSpec:
     train_files, eval_files, sft_files: user files (Search-R1 questions; SFT trajectories).
     corpus: the corpus JSONL ("": the embedded task's).
     template: the student prompt template's text (`protocol.PROMPT_TEMPLATES`).
+    teacher_template: the teacher's privileged block (`privileged.TEMPLATES`).
     prompt_width: P, the prompt region's width.
     gold_width: tokens per gold answer.
     chat_template: render prompts with the `init_dir` model's chat template.
@@ -309,6 +311,7 @@ class DataSpec:
   sft_files: tuple[str, ...]
   corpus: str
   template: str
+  teacher_template: str
   prompt_width: int
   gold_width: int
   chat_template: bool
@@ -474,6 +477,7 @@ def _spec(config, model: ModelConfig, algorithm: Any, env: EnvSpec, optimizers: 
                     train_files=_files(d.train_files), eval_files=_files(d.eval_files),
                     sft_files=_files(d.sft_files), corpus=d.corpus,
                     template=protocol.PROMPT_TEMPLATES[d.prompt_template],
+                    teacher_template=privileged.TEMPLATES[d.teacher_prompt],
                     prompt_width=d.prompt_width, gold_width=d.gold_width,
                     chat_template=d.chat_template,
                     generator=None if d.train_files else dataset_args(config)),
@@ -511,6 +515,12 @@ def validate(config, num_devices: int | None = None) -> RunSpec:
   if config.data.prompt_template not in protocol.PROMPT_TEMPLATES:
     _fail("data.prompt_template", config.data.prompt_template,
           f"must be one of {sorted(protocol.PROMPT_TEMPLATES)}")
+  if config.data.teacher_prompt not in privileged.TEMPLATES:
+    _fail("data.teacher_prompt", config.data.teacher_prompt,
+          f"must be one of {sorted(privileged.TEMPLATES)}")
+  if "{chain}" in privileged.TEMPLATES[config.data.teacher_prompt] and config.data.train_files:
+    _fail("data.teacher_prompt", config.data.teacher_prompt, "states the gold chain, which "
+          "only the embedded task's questions have")
   if config.env.retriever not in RETRIEVERS:
     _fail("env.retriever", config.env.retriever, f"must be one of {RETRIEVERS}")
   if config.env.index not in ("dense", "sparse"):

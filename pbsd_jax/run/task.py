@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 from pbsd_jax import protocol
-from pbsd_jax.agent.batch import forced_batch, prompt_region, reward_gold
+from pbsd_jax.agent.batch import forced_batch, prompt_region, reward_gold, teacher_inputs
 from pbsd_jax.agent.env.agent_env import AgentEnv
 from pbsd_jax.agent.env.retriever import DeviceIndex, Retriever
 from pbsd_jax.agent.env.sparse_bm25 import INDEX_FILE as SPARSE_INDEX_FILE, SparseBM25Index
@@ -333,7 +333,7 @@ def _check_prompts(task: Task, data: DataSpec, user_data: bool) -> None:
       try:
         prompt_region([r["question"] for r in chunk], task.tokenizer.encode,
                       data.prompt_width, data.template,
-                      answers=[r["golden_answers"][0] for r in chunk], chat=task.tokenizer.chat)
+                      **teacher_inputs(chunk, data.teacher_template), chat=task.tokenizer.chat)
       except ValueError as err:
         message = re.sub(r"(record|prompt) (\d+)",
                          lambda m: f"question {start + int(m.group(2))}", str(err))
@@ -463,12 +463,13 @@ def rl_prompts(task: Task, spec: RunSpec, step: int) -> tuple[list[dict], np.nda
 
 def rl_batch(task: Task, data: DataSpec, records: list[dict]) -> dict[str, np.ndarray]:
   """Student and teacher prompt regions (`prompt_region`) and gold answer tokens for
-  `records`; the teacher is told each record's first gold answer. Records with a gold chain
+  `records`; the teacher is told each record's first gold answer (and, with the `chain`
+  block, its gold chain: `data.teacher_template`). Records with a gold chain
   (the embedded task) add its documents, `gold_docs` (`gold_chain.gold_doc_batch`), from
   which the rollout labels its turns."""
   region = prompt_region([r["question"] for r in records], task.tokenizer.encode,
                          data.prompt_width, data.template,
-                         answers=[r["golden_answers"][0] for r in records],
+                         **teacher_inputs(records, data.teacher_template),
                          chat=task.tokenizer.chat)
   slots, hops = task.rl_widths  # every step's batch has one shape
   batch = dict(**region, gold=reward_gold([r["golden_answers"] for r in records],

@@ -395,7 +395,8 @@ def validation_accuracy(spec: RunSpec, task: Task, params: Any,
       batch_size=min(50, len(records)), rng=jax.random.key(spec.seed),
       prompt_width=spec.data.prompt_width, gold_width=spec.data.gold_width,
       template=spec.data.template, progress=progress,
-      credit_algo=spec.algorithm if credit else None)
+      credit_algo=spec.algorithm if credit else None,
+      teacher_template=spec.data.teacher_template)
 
 
 def _log_validation(spec: RunSpec, task: Task, params: Any, log: MetricLog, step: int,
