@@ -151,8 +151,8 @@ def test_overlong_penalty_shapes_the_reward_by_action_token_count():
 # Registry.
 
 
-def test_registry_lists_the_five_algorithms():
-  assert set(algorithms.names()) == {"grpo", "pbsd", "opsd", "rlsd", "gear"}
+def test_registry_lists_the_algorithms():
+  assert set(algorithms.names()) == {"grpo", "pbsd", "opsd", "rlsd", "gear", "oracle_credit"}
 
 
 def test_registry_rejects_unknown_names_and_hyperparameters():

@@ -156,7 +156,8 @@ def test_opsd_loss_requires_the_divergence():
 
 def test_only_opsd_asks_for_a_distillation_divergence():
   betas = {name: algorithms.get(name).distillation_beta for name in algorithms.names()}
-  assert betas == {"grpo": None, "pbsd": None, "opsd": 1.0, "rlsd": None, "gear": None}
+  assert betas == {"grpo": None, "pbsd": None, "opsd": 1.0, "rlsd": None, "gear": None,
+                   "oracle_credit": None}
 
 
 # RLSD.
