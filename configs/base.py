@@ -90,10 +90,13 @@ def get_config() -> ml_collections.ConfigDict:
   # SFT stage on oracle trajectories (0 steps: skip; max_examples 0: the whole SFT split).
   # teacher_fraction: the share of each batch's rows trained on the teacher's privileged
   # prompt instead of the student's (the same trajectory), so the teacher condition PBSD
-  # scores with is one the model has read. schedule: the SFT learning-rate schedule (empty:
-  # optim.schedule).
+  # scores with is one the model has read. corpus_fraction: the share of each batch's rows
+  # that are corpus documents, language-modelled whole (a knowledge stage: the model holds
+  # the world in its weights, as a pretrained one holds its). schedule: the SFT
+  # learning-rate schedule (empty: optim.schedule).
   c.sft = ml_collections.ConfigDict(dict(steps=0, batch_size=32, lr=1e-3, warmup_steps=20,
-                                         max_examples=0, teacher_fraction=0.0, schedule=""))
+                                         max_examples=0, teacher_fraction=0.0,
+                                         corpus_fraction=0.0, schedule=""))
 
   # Evaluation (paper: top-p 0.95). every: greedy validation accuracy on `num_examples`
   # questions every this many RL steps (0: never), logged as the `eval` stage; sft_every: the

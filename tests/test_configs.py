@@ -116,6 +116,7 @@ def test_command_line_overrides_reach_the_algorithm():
     ("--config.data.splits.hop_weights=(0.5,-0.1)", "config.data.splits.hop_weights"),
     ("--config.data.splits.ood_hard_hops=4", "config.data.splits.ood_hard_hops"),
     ("--config.data.teacher_prompt=hints", "config.data.teacher_prompt"),
+    ("--config.sft.corpus_fraction=1.0", "config.sft.corpus_fraction"),
     # The retrieval client's settings, whichever retriever is chosen.
     ("--config.env.timeout_s=0.0", "config.env.timeout_s"),
     ("--config.env.max_retries=-1", "config.env.max_retries"),

@@ -376,3 +376,38 @@ def test_the_chain_teacher_prompt_reaches_the_rl_batch(kg, tmp_path):
     teacher = task.tokenizer.decode(batch["teacher_prompt"][b][batch["teacher_prompt_mask"][b]])
     assert " -> ".join(r["chain_names"]) in teacher and privileged.chain_text(r) not in student
     assert teacher.startswith(student)
+
+
+def test_the_knowledge_stage_trains_on_corpus_documents(kg, tmp_path):
+  """`sft.corpus_fraction`: that share of each SFT batch's rows are corpus documents, as an
+  observation shows them, whole in the loss but their first token; the others stay the
+  trajectories they were."""
+  import jax
+  from pbsd_jax.agent.env.observations import format_document
+  from pbsd_jax.agent.env.retriever import Document
+  from pbsd_jax.run import task as task_lib, train as train_lib
+  from test_configs import load_spec
+  data = f"--config.data.dir={os.path.dirname(kg.paths['spm_model'])}"
+  spec = load_spec("pbsd", *SMALL, data, "--config.sft.corpus_fraction=0.5",
+                   "--config.sft.steps=20")
+  task = task_lib.prepare_task(spec, str(tmp_path / "w"))
+  mesh = spec.build_mesh(jax.devices()[:1])
+  documents, on_corpus, which = train_lib._local_corpus_rows(spec, task, 200, mesh)
+  with open(task.corpus) as f:
+    corpus = [json.loads(line) for line in f]
+  for d in (0, 7):
+    want = kg.encode(format_document(Document(str(corpus[d]["id"]), corpus[d]["contents"], 0.0)))
+    np.testing.assert_array_equal(documents[0][d, :len(want)], want[:200])
+    assert documents[1][d].sum() == min(len(want), 200) and not documents[2][d, 0]
+  assert 0.35 < on_corpus.mean() < 0.65  # 20 steps x 4 rows at 0.5
+  tokens = np.arange(4 * 200).reshape(4, 200)
+  batch = (tokens, np.ones((4, 200), bool), np.ones((4, 200), bool))
+  step = int(np.argmax(on_corpus.any(axis=1)))
+  got = train_lib._with_documents(batch, (documents, on_corpus, which), step)
+  for row in range(4):
+    want = documents[0][which[step][row]] if on_corpus[step][row] else tokens[row]
+    np.testing.assert_array_equal(got[0][row], want)
+  # The run path: scripts/train.py with it.
+  _train(str(tmp_path / "run"), os.path.dirname(kg.paths["spm_model"]),
+         "--config.sft.corpus_fraction=0.5", "--config.rl.steps=0")
+  assert [m["step"] for m in _metrics(str(tmp_path / "run")) if m["stage"] == "sft"] == [1, 2, 3, 4]

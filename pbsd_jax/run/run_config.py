@@ -347,13 +347,15 @@ class RetrievalSpec:
 @dataclasses.dataclass(frozen=True, eq=False)
 class SFTSpec:
   """The SFT stage (`config.sft`): `steps` updates of `batch_size` rows drawn from the first
-  `max_examples` SFT records (0: all), `teacher_fraction` of them on the teacher's prompt;
-  its `optimizer` and `plan` (the LM head's chunk)."""
+  `max_examples` SFT records (0: all), `teacher_fraction` of them on the teacher's prompt,
+  `corpus_fraction` of the rows corpus documents instead; its `optimizer` and `plan` (the LM
+  head's chunk)."""
 
   steps: int
   batch_size: int
   max_examples: int
   teacher_fraction: float
+  corpus_fraction: float
   optimizer: Any
   plan: learner.UpdatePlan
 
@@ -485,7 +487,7 @@ def _spec(config, model: ModelConfig, algorithm: Any, env: EnvSpec, optimizers: 
       retrieval=RetrievalSpec(e.retriever, e.index, e.index_dir, e.url, e.timeout_s,
                               e.max_retries),
       sft=SFTSpec(config.sft.steps, config.sft.batch_size, config.sft.max_examples,
-                  config.sft.teacher_fraction, optimizers["sft"],
+                  config.sft.teacher_fraction, config.sft.corpus_fraction, optimizers["sft"],
                   learner.UpdatePlan(chunk_size=config.rl.chunk_size or None)),
       rl=RLSpec(config.rl.steps, config.rollout.prompts_per_step, config.grpo.group_size,
                 plan, optimizers["rl"],
@@ -557,6 +559,8 @@ def validate(config, num_devices: int | None = None) -> RunSpec:
           f"must be empty (optim.schedule) or one of {train_state.SCHEDULES}")
   if not 0.0 <= config.sft.teacher_fraction <= 1.0:
     _fail("sft.teacher_fraction", config.sft.teacher_fraction, "must be in [0, 1]")
+  if not 0.0 <= config.sft.corpus_fraction < 1.0:
+    _fail("sft.corpus_fraction", config.sft.corpus_fraction, "must be in [0, 1)")
   if config.sft.max_examples and config.sft.max_examples < config.sft.batch_size:
     _fail("sft.max_examples", config.sft.max_examples,
           f"is smaller than sft.batch_size={config.sft.batch_size}")

@@ -57,6 +57,8 @@ class Task:
       `bm25s` or HTTP retriever over user data).
     splits: records by split: `rl_train`, `rl_validation`, `sft` (and `ood` in the embedded
       task).
+    corpus: the corpus JSONL the token BM25 and SFT's knowledge rows read (`config.data.corpus`
+      or the embedded task's), "" where there is none.
   """
 
   tokenizer: Tokenizer
@@ -64,6 +66,7 @@ class Task:
   search: DeviceIndex | Retriever
   index: DeviceIndex | None
   splits: dict[str, list[dict]]
+  corpus: str = ""
 
   @property
   def vocab(self) -> Any:
@@ -248,7 +251,7 @@ def prepare_task(spec: RunSpec, workdir: str, mesh: Any = None, connect: bool = 
           if env.text_tags else None)
   search, index = _search(spec, corpus, vocab, keep_index=not user_data,
                           mesh=mesh, connect=connect)
-  task = Task(Tokenizer(vocab, text, chat), env, search, index, splits)
+  task = Task(Tokenizer(vocab, text, chat), env, search, index, splits, corpus or "")
   _check_prompts(task, spec.data, user_data)
   return task
 
@@ -447,6 +450,31 @@ def sft_sequences(task: Task, records: list[dict], data: DataSpec, model: ModelC
   tokens, mask, action = (np.concatenate(parts) for parts in zip(*out))
   width = int(np.max(np.where(mask, np.arange(mask.shape[1]), 0))) + 1
   return tokens[:, :width], mask[:, :width], action[:, :width]
+
+
+def corpus_sequences(task: Task, width: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Every corpus document as SFT's knowledge rows `(tokens, mask, loss_mask)`, `[D, width]`:
+  the document as an observation shows it (`format_document`) from column 0, cropped to
+  `width`, every token after the first in the loss.
+
+  Raises:
+    run_config.ConfigError: the task has no corpus.
+  """
+  from pbsd_jax.agent.env.host_bm25 import read_corpus
+  from pbsd_jax.agent.env.observations import format_document
+  from pbsd_jax.agent.env.retriever import Document
+  if not task.corpus:
+    raise run_config.ConfigError("config.sft.corpus_fraction: the task has no corpus "
+                                 "(config.data.corpus)")
+  ids, contents = read_corpus(task.corpus)
+  tokens = np.zeros((len(ids), width), np.int32)
+  mask = np.zeros((len(ids), width), bool)
+  for row, (doc_id, text) in enumerate(zip(ids, contents)):
+    encoded = task.tokenizer.encode(format_document(Document(str(doc_id), text, 0.0)))[:width]
+    tokens[row, :len(encoded)], mask[row, :len(encoded)] = encoded, True
+  loss = mask.copy()
+  loss[:, 0] = False  # the first token has no context to predict it from
+  return tokens, mask, loss
 
 
 def rl_prompts(task: Task, spec: RunSpec, step: int) -> tuple[list[dict], np.ndarray]:

@@ -43,7 +43,7 @@ from pbsd_jax.parallel import sharding
 from pbsd_jax.rl import learner, train_state
 from pbsd_jax.run import checkpoint, run_config, workdir as workdir_lib
 from pbsd_jax.run.run_config import RunSpec
-from pbsd_jax.run.task import Task, rl_batch, rl_prompts, sft_sequences
+from pbsd_jax.run.task import Task, corpus_sequences, rl_batch, rl_prompts, sft_sequences
 
 def device_memory() -> int | None:
   """Bytes of memory of this host's first device, where the backend reports it (GPU, TPU);
@@ -171,13 +171,16 @@ def sft_stage(spec: RunSpec, task: Task, workdir: str, log: MetricLog, mesh: Mes
           f"config.sft.teacher_fraction={sft.teacher_fraction}: the teacher prompt "
           "needs each SFT record's golden_answers")
     rows, teacher_rows, sequences = _local_sft_sequences(spec, task, records, mesh)
+    knowledge = _local_corpus_rows(spec, task, sequences[0].shape[1], mesh)
     step_fn = fitted_at_first_call(learner.make_sft_step(model, tx, sft.plan, mesh=mesh),
                                    "the SFT step", SFT_FIELDS)
     with checkpoint.PreemptionGuard() as guard:
       for step in progress(range(int(state.step), steps), desc="sft", initial=int(state.step),
                            total=steps):
-        batch = sharding.shard_process_local_batch(
-            _sft_rows(sequences, rows[step], teacher_rows[step]), mesh, sft.batch_size)
+        batch = _sft_rows(sequences, rows[step], teacher_rows[step])
+        if knowledge is not None:
+          batch = _with_documents(batch, knowledge, step)
+        batch = sharding.shard_process_local_batch(batch, mesh, sft.batch_size)
         state, metrics = step_fn(state, *batch)
         workdir_lib.check_claimed(workdir)
         log.write("sft", step + 1, metrics)
@@ -227,6 +230,33 @@ def _local_sft_sequences(spec: RunSpec, task: Task, records: list[dict], mesh: M
     sequences += tuple(np.asarray(x) for x in privileged.teacher_sequence(
         sequences[0], sequences[1], region["teacher_prompt"], region["teacher_prompt_mask"]))
   return rows.reshape(drawn.shape), np.stack(on_teacher), sequences
+
+
+def _local_corpus_rows(spec: RunSpec, task: Task, width: int, mesh: Mesh
+                       ) -> tuple[tuple[np.ndarray, ...], np.ndarray, np.ndarray] | None:
+  """SFT's knowledge rows (`sft.corpus_fraction` > 0, else None): the corpus documents
+  (`corpus_sequences`), and for every step which of this process's rows are documents and
+  which document each is, drawn seeded by `(seed, step, 1)` (the trajectory rows' draws stay
+  as they were)."""
+  fraction = spec.sft.corpus_fraction
+  if not fraction:
+    return None
+  documents = corpus_sequences(task, width)
+  size, local = spec.sft.batch_size, sharding.process_batch_rows(spec.sft.batch_size, mesh)
+  on_corpus, which = [], []
+  for step in range(spec.sft.steps):
+    rng = np.random.default_rng([spec.seed, step, 1])
+    on_corpus.append((rng.random(size) < fraction)[local])
+    which.append(rng.integers(len(documents[0]), size=size)[local])
+  return documents, np.stack(on_corpus), np.stack(which)
+
+
+def _with_documents(batch: tuple[np.ndarray, ...], knowledge: tuple, step: int
+                    ) -> tuple[np.ndarray, ...]:
+  """`batch` with step `step`'s knowledge rows replaced by their documents."""
+  documents, on_corpus, which = knowledge
+  rows = on_corpus[step][:, None]
+  return tuple(np.where(rows, d[which[step]], x) for x, d in zip(batch, documents))
 
 
 def _sft_rows(sequences: tuple[np.ndarray, ...], rows: np.ndarray, on_teacher: np.ndarray
