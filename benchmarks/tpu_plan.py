@@ -60,31 +60,28 @@ def cell(name: str, buffer: int, topology: str, compiled_micro: int | None = Non
   compiler fitted (FSDP over every chip, that micro-batch)."""
   devices, chip = aot.topology(topology)
   rows = 32 * 8 // 4  # a mini-batch of the recipe (rl.minibatches = 4)
+  # (tensor parallelism, micro-batch rows): 4, 2, then 1 row per device in a micro-batch.
+  settings = ([(1, compiled_micro)] if compiled_micro else
+              [(tensor, len(devices) // tensor * per_shard) for tensor in (1, 2, 4, 8)
+               for per_shard in (4, 2, 1)])
   tried = None
-  for tensor in (1, 2, 4, 8):
-    shards = len(devices) // tensor
-    for per_shard in (4, 2, 1):  # rows per device in a micro-batch
-      micro = shards * per_shard
-      if compiled_micro:
-        if tensor > 1 or per_shard > 1:
-          continue
-        micro = compiled_micro
-      if len(devices) % tensor or micro > rows or rows % micro:
-        continue
-      spec = run_config.validate(recipe(name, buffer, **{
-          "mesh.fsdp": -1, "mesh.tensor": tensor, "rl.micro_batch_size": micro}),
-                                 num_devices=len(devices))
-      try:
-        mesh = spec.build_mesh(devices)
-      except (NotImplementedError, run_config.ConfigError):
-        continue  # an axis the physical torus cannot give
-      total, update = need(spec, mesh)
-      tried = total if tried is None else min(tried, total)
-      if total <= MARGIN * chip.hbm or compiled_micro:
-        times = memory_model.step_seconds(spec, mesh, chip.peak_flops, chip.bandwidth)
-        return dict(fits=True, mesh=f"fsdp {shards} x tensor {tensor}", micro=micro,
-                    need=total, hbm=chip.hbm, times=times,
-                    tight=update * UPDATE_LAYOUT > MARGIN * chip.hbm)
+  for tensor, micro in settings:
+    if len(devices) % tensor or micro > rows or rows % micro:
+      continue
+    spec = run_config.validate(recipe(name, buffer, **{
+        "mesh.fsdp": -1, "mesh.tensor": tensor, "rl.micro_batch_size": micro}),
+                               num_devices=len(devices))
+    try:
+      mesh = spec.build_mesh(devices)
+    except (NotImplementedError, run_config.ConfigError):
+      continue  # an axis the physical torus cannot give
+    total, update = need(spec, mesh)
+    tried = total if tried is None else min(tried, total)
+    if total <= MARGIN * chip.hbm or compiled_micro:
+      times = memory_model.step_seconds(spec, mesh, chip.peak_flops, chip.bandwidth)
+      return dict(fits=True, mesh=f"fsdp {len(devices) // tensor} x tensor {tensor}",
+                  micro=micro, need=total, hbm=chip.hbm, times=times,
+                  tight=update * UPDATE_LAYOUT > MARGIN * chip.hbm)
   return dict(fits=False, need=tried, hbm=chip.hbm)
 
 
@@ -100,12 +97,12 @@ def main():
     with open(path) as f:
       report = json.load(f)
     fitted = [q for q in report["programs"] if "memory" in q]
-    need = max(q["memory"]["total"] for q in fitted)
+    most = max(q["memory"]["total"] for q in fitted)
     training = [q for q in fitted if not q["name"].startswith("eval")]
     fits = all(q["fits"] for q in training) and not any(
         not r.startswith("eval") for r in report["refused"])
     compiled[report["topology"], f"{name}@{buffer}"] = (
-        f" (compiled: {len(fitted)} programs, at most {need / (1 << 30):.1f} GiB"
+        f" (compiled: {len(fitted)} programs, at most {most / (1 << 30):.1f} GiB"
         + "".join(f"; {r.split(' ')[0]} does not fit" for r in report["refused"]) + ")",
         fits, int(micro))
   print("| model | buffer | slice | fits | mesh | micro-batch (rows) | HBM per chip | "

@@ -36,6 +36,7 @@ def main(argv):
   del argv
   import jax
 
+  from pbsd_jax.agent.batch import question_batch
   from pbsd_jax.eval import label_check
   from pbsd_jax.run import start
 
@@ -46,10 +47,13 @@ def main(argv):
     spec, task, params, step = start.start_evaluation(_CONFIG.value, ckpt_dir, _STEP.value,
                                                       workdir)
     records = task.records(_SPLIT.value)[:_QUESTIONS.value]
+    if not all("chain" in r for r in records):
+      raise ValueError(f"{_SPLIT.value}: the Monte Carlo check needs questions with gold "
+                       "chains (the embedded task)")
     agent = task.agent(spec.sampler("rollout"))
-    batch = label_check.question_batch(agent, records, prompt_width=spec.data.prompt_width,
-                                       gold_width=spec.data.gold_width,
-                                       template=spec.data.template)
+    batch = question_batch(records, agent.tokenizer, prompt_width=spec.data.prompt_width,
+                           gold_width=spec.data.gold_width, template=spec.data.template,
+                           gold_chains=True)
     rng = jax.random.key(_SEED.value)
     base = agent.rollout(params, jax.random.fold_in(rng, 0), batch)
     got = label_check.monte_carlo_values(agent, params, batch, base,

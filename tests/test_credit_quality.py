@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pbsd_jax.agent import privileged
-from pbsd_jax.agent.batch import forced_batch, gold_batch, prompt_region
+from pbsd_jax.agent.batch import forced_batch, gold_batch, prompt_region, question_batch
 from pbsd_jax.agent.env.agent_env import AgentEnv, KIND_ANSWER, KIND_INVALID, KIND_SEARCH
 from pbsd_jax.agent.rollout import host_rollout, ingraph_rollout, label_turns
 from pbsd_jax.data import vocab as vocab_lib
@@ -327,7 +327,8 @@ def test_monte_carlo_values_of_oracle_trajectories_under_a_random_policy(kg, set
   records = kg.records("sft")[:4]
   agent = Agent(Sampler(model, temperature=1.0), env, Tokenizer(kg.vocab),
                 kg.retriever.index)
-  batch = label_check.question_batch(agent, records, prompt_width=P, gold_width=12)
+  batch = question_batch(records, agent.tokenizer, prompt_width=P, gold_width=12,
+                         gold_chains=True)
   forced = forced_batch([r["actions"] for r in records], kg.encode, MAX_TURNS, ACTION)
   base = label_turns(ingraph_rollout(agent.sampler, env, params, batch["prompts"],
                                      batch["prompt_mask"], jax.random.key(0), agent.search,

@@ -13,7 +13,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from pbsd_jax import protocol
-from pbsd_jax.agent import privileged
+from pbsd_jax.agent import gold_chain, privileged
 from pbsd_jax.agent.tokenizer import Tokenizer
 
 Encode = Callable[[str], list[int]]
@@ -123,6 +123,23 @@ def reward_gold(golden_answers: Sequence[Sequence[str]], tokenizer: Tokenizer, w
   if tokenizer.text is not None:
     return gold_text_batch(golden_answers, 8 * width, num)
   return gold_batch(golden_answers, tokenizer.encode, width, num)
+
+
+def question_batch(records: Sequence[Mapping], tokenizer: Tokenizer, *, prompt_width: int,
+                   gold_width: int, template: str = protocol.DEFAULT_PROMPT_TEMPLATE,
+                   teacher_template: str | None = None, gold_chains: bool = False
+                   ) -> dict[str, np.ndarray]:
+  """The rollout arrays of `records`, one row each: the prompt region (`prompt_region`; with
+  `teacher_template`, the teacher's too, `teacher_inputs`), the gold answers (`reward_gold`)
+  and, with `gold_chains`, the gold chain documents (`gold_chain.gold_doc_batch`) from which
+  a rollout labels its turns."""
+  teacher = {} if teacher_template is None else teacher_inputs(records, teacher_template)
+  batch = prompt_region([r["question"] for r in records], tokenizer.encode, prompt_width,
+                        template, **teacher, chat=tokenizer.chat)
+  batch["gold"] = reward_gold([r["golden_answers"] for r in records], tokenizer, gold_width)
+  if gold_chains:
+    batch["gold_docs"] = gold_chain.gold_doc_batch(records, max(r["hops"] for r in records))
+  return batch
 
 
 def forced_batch(action_lists: Sequence[Sequence[str]], encode: Encode, max_turns: int,

@@ -78,7 +78,8 @@ def make_dataset(out_dir: str, seed: int = 0,
 
   manifest = {"seed": seed, "world_sizes": dataclasses.asdict(world_sizes),
               "split_sizes": dataclasses.asdict(split_sizes), "detour_share": detour_share,
-              "slips": dataclasses.asdict(slips), "vocab_size": vocab_size, "num_documents": len(corpus),
+              "slips": dataclasses.asdict(slips), "vocab_size": vocab_size,
+              "num_documents": len(corpus),
               "counts": {name: len(splits[name]) for name in splits_lib.SPLITS},
               "horizon": oracle_lib.horizon(trajectories)}
   with storage.replaced(paths["manifest"], encoding="utf-8") as f:  # last: the data is whole

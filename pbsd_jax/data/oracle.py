@@ -145,10 +145,11 @@ def oracle_turns(world: world_lib.World, question: questions_lib.Question,
     detour: None, or `(kind, k, neighbour_id)`: before search turn k, one sloppy search --
       kind "neighbour" queries entity `neighbour_id` (a confusable neighbour of `e_k`), kind
       "question" (k must be 0, neighbour_id is ignored) queries the raw question.
-    slip: None, or called at each hop with `(k, entity)` (the entity the oracle is after):
-      None, or `(neighbour, recovered)`: it searches `neighbour` (a confusable neighbour of
-      `entity`) first; recovered, it searches `entity` next, else it derails to the
-      neighbour (`Slips`).
+    slip: None, or called at each hop without a detour with `(k, entity)` (the entity the
+      oracle is after): None, or `(neighbour, recovered)`: it searches `neighbour` (a
+      confusable neighbour of `entity`) first; recovered, it searches `entity` next, else it
+      derails to the neighbour (`Slips`). A neighbour detour is a recovered slip that is not
+      counted as one.
   """
   turns: list[Turn] = []
   slips: list[tuple[int, bool]] = []
@@ -156,14 +157,11 @@ def oracle_turns(world: world_lib.World, question: questions_lib.Question,
   for k in range(question.hops):
     name = world.entities[entity].name
     thought = _search_thought(question, k, name)
+    neighbour = None  # (a confusable neighbour searched first, whether that is noticed)
     if detour is not None and detour[1] == k:
       kind, _, other = detour
       if kind == "neighbour":
-        if other not in world.neighbours(entity):
-          raise ValueError(f"entity {other} is not a confusable neighbour of {entity}")
-        wrong = world.entities[other].name
-        turns.append(Turn(search_action(thought, wrong), wrong, other, detour=True))
-        thought = f"These results are about {wrong}, not {name}."
+        neighbour = (other, True)
       elif kind == "question" and k == 0:
         turns.append(Turn(search_action(thought, question.question), question.question, None,
                           detour=True))
@@ -171,19 +169,20 @@ def oracle_turns(world: world_lib.World, question: questions_lib.Question,
       else:
         raise ValueError(f"bad detour {detour!r}: kind must be one of {DETOUR_KINDS} and a "
                          f"question detour must be at turn 0")
-    slipped = slip(k, entity) if slip is not None else None
-    if slipped is not None:
-      other, recovered = slipped
+    elif slip is not None:
+      neighbour = slip(k, entity)
+      if neighbour is not None:
+        slips.append((k, neighbour[1]))
+    if neighbour is not None:
+      other, noticed = neighbour
       if other not in world.neighbours(entity):
         raise ValueError(f"entity {other} is not a confusable neighbour of {entity}")
       wrong = world.entities[other].name
       turns.append(Turn(search_action(thought, wrong), wrong, other, detour=True))
-      slips.append((k, recovered))
-      if recovered:
-        thought = f"These results are about {wrong}, not {name}."
-      else:
-        entity = other
-    if slipped is None or slipped[1]:
+      thought = f"These results are about {wrong}, not {name}."
+      if not noticed:
+        entity = other  # derailed: the walk goes on from the neighbour
+    if neighbour is None or neighbour[1]:
       turns.append(Turn(search_action(thought, name), name, entity))
     entity = world.follow(entity, question.relations[k])
   found = questions_lib.RELATION_NOUNS[question.relations[-1]]

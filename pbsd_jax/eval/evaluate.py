@@ -25,7 +25,7 @@ import numpy as np
 
 from pbsd_jax import protocol
 from pbsd_jax.agent import gold_chain, privileged
-from pbsd_jax.agent.batch import prompt_region, reward_gold, teacher_inputs
+from pbsd_jax.agent.batch import question_batch
 from pbsd_jax.agent.rollout import Agent
 from pbsd_jax.models import ModelConfig
 from pbsd_jax.rl import credit_quality
@@ -199,23 +199,18 @@ def evaluate(agent: Agent, params: Any, records: Sequence[Mapping], *, batch_siz
   # each batch takes its rows.
   with_credit = (credit_algo is not None and "logp_teacher" in credit_algo.needs
                  and all("chain" in r for r in records))
-  tokenizer = agent.tokenizer
-  teacher = teacher_inputs(records, teacher_template) if with_credit else {}
-  region = prompt_region([r["question"] for r in records], tokenizer.encode, prompt_width,
-                         template, **teacher, chat=tokenizer.chat)
-  gold = reward_gold([r["golden_answers"] for r in records], tokenizer, gold_width)
-  gold_docs = (gold_chain.gold_doc_batch(records, max(r["hops"] for r in records)) if with_credit
-               else None)
+  region = question_batch(records, agent.tokenizer, prompt_width=prompt_width,
+                          gold_width=gold_width, template=template,
+                          teacher_template=teacher_template if with_credit else None,
+                          gold_chains=with_credit)
   rows = np.repeat(np.arange(len(records)), samples_per_question)
   num_batches = -(-len(rows) // batch_size)
   parts = []
   for i in progress(range(num_batches), desc="eval", total=num_batches):
     chunk = rows[i * batch_size:(i + 1) * batch_size]
     padded = np.resize(chunk, batch_size)  # repeats the chunk's own rows: one shape
-    batch = dict(prompts=region["prompts"][padded], prompt_mask=region["prompt_mask"][padded],
-                 gold=gold[padded])
-    if gold_docs is not None:
-      batch["gold_docs"] = gold_docs[padded]
+    batch = {k: region[k][padded] for k in ("prompts", "prompt_mask", "gold", "gold_docs")
+             if k in region}
     out = agent.rollout(params, jax.random.fold_in(rng, i), batch,
                         golden_answers=[records[r]["golden_answers"] for r in padded])
     stats = {"reward": out.reward, "num_turns": out.num_turns,

@@ -12,30 +12,14 @@ turn as without) agrees with a neutral label only.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pbsd_jax.agent import gold_chain
-from pbsd_jax.agent.batch import prompt_region, reward_gold
 from pbsd_jax.agent.rollout import Agent, ingraph_rollout, rollout_actions
-
-
-def question_batch(agent: Agent, records: Sequence[Mapping], *, prompt_width: int,
-                   gold_width: int, template: str = "default") -> dict:
-  """The rollout batch of `records`: prompts, gold answers and gold chain documents."""
-  if not all("chain" in r for r in records):
-    raise ValueError("the Monte Carlo check needs questions with gold chains (the embedded task)")
-  region = prompt_region([r["question"] for r in records], agent.tokenizer.encode, prompt_width,
-                         template, chat=agent.tokenizer.chat)
-  return dict(prompts=jnp.asarray(region["prompts"]),
-              prompt_mask=jnp.asarray(region["prompt_mask"]),
-              gold=jnp.asarray(reward_gold([r["golden_answers"] for r in records],
-                                           agent.tokenizer, gold_width)),
-              gold_docs=jnp.asarray(gold_chain.gold_doc_batch(
-                  records, max(r["hops"] for r in records))))
 
 
 def monte_carlo_values(agent: Agent, params: Any, batch: dict, base: Any, *,
@@ -45,7 +29,7 @@ def monte_carlo_values(agent: Agent, params: Any, batch: dict, base: Any, *,
   Args:
     agent: an in-graph agent (`Agent.in_graph`: the continuations are `ingraph_rollout`s).
     params: the policy's parameters.
-    batch: `base`'s rows (`question_batch`).
+    batch: `base`'s rows (`batch.question_batch` with their gold chains).
     base: the trajectories, labelled (`label_turns`; `agent.rollout` of `batch` is).
     continuations: rollouts per turn and side (with, without).
     rng: folded per turn and side, the continuations' key.
@@ -84,8 +68,8 @@ def agreement(value: np.ndarray, mc: np.ndarray) -> dict[str, float]:
   per label, with the two values' correlation over the labelled turns."""
   labelled = ~np.isnan(value)
   label = np.asarray(gold_chain.value_labels(jnp.asarray(value)))
-  sign = {gold_chain.PROGRESS: 1, gold_chain.CULPRIT: -1, gold_chain.NEUTRAL: 0}
-  agree = labelled & (np.sign(mc) == np.vectorize(lambda x: sign.get(int(x), 2))(label))
+  sign = np.where(label == gold_chain.PROGRESS, 1, np.where(label == gold_chain.CULPRIT, -1, 0))
+  agree = labelled & (np.sign(mc) == sign)
   out = {"turns": int(labelled.sum()),
          "agreement": float(agree.sum() / max(labelled.sum(), 1)),
          "correlation": (float(np.corrcoef(value[labelled], mc[labelled])[0, 1])

@@ -61,29 +61,27 @@ def quality_metrics(turn_label: Array, solved: Array, signed_credit: Array | Non
     _failed}` (NaN where a class is empty). With `turn_value`, `credit/frac_progress`,
     `credit/frac_culprit` and the same AUCs for progress vs. culprit turns, named `..._value`.
   """
-  metrics = _aucs(turn_label != UNLABELLED, turn_label == USEFUL, solved, signed_credit,
-                  credited, evidence, "")
-  n = metrics.pop("n")
-  metrics = {"credit/labelled_turns": n.astype(jnp.float32),
-             "credit/frac_useful": metrics.pop("positives") / jnp.maximum(n, 1), **metrics}
+  labelled, useful = turn_label != UNLABELLED, turn_label == USEFUL
+  n = jnp.sum(labelled).astype(jnp.float32)
+  metrics = {"credit/labelled_turns": n,
+             "credit/frac_useful": jnp.sum(useful) / jnp.maximum(n, 1),
+             **_aucs(labelled, useful, solved, signed_credit, credited, evidence, "")}
   if turn_value is not None:
     label = value_labels(turn_value)
-    value = _aucs((label == PROGRESS) | (label == CULPRIT), label == PROGRESS, solved,
-                  signed_credit, credited, evidence, "_value")
+    progress, culprit = label == PROGRESS, label == CULPRIT
     n = jnp.maximum(jnp.sum(label != UNLABELLED), 1)
-    value.pop("n")
-    metrics["credit/frac_progress"] = value.pop("positives") / n
-    metrics["credit/frac_culprit"] = jnp.sum(label == CULPRIT) / n
-    metrics.update(value)
+    metrics["credit/frac_progress"] = jnp.sum(progress) / n
+    metrics["credit/frac_culprit"] = jnp.sum(culprit) / n
+    metrics.update(_aucs(progress | culprit, progress, solved, signed_credit, credited,
+                         evidence, "_value"))
   return metrics
 
 
 def _aucs(labelled: Array, positive: Array, solved: Array, signed_credit: Array | None,
           credited: Array | None, evidence: Array | None, name: str) -> dict:
-  """The AUCs of `quality_metrics` for `positive` vs. the other `labelled` turns (with
-  `n`, the labelled turns, and `positives`, float32)."""
-  metrics = {"n": jnp.sum(labelled).astype(jnp.float32),
-             "positives": jnp.sum(labelled & positive).astype(jnp.float32)}
+  """The AUCs of `quality_metrics` for `positive` vs. the other `labelled` turns, over all
+  rows and within solved and failed ones, their names ending in `name`."""
+  metrics = {}
   rows = {"": jnp.ones_like(solved), "_solved": solved, "_failed": ~solved}
   for suffix, keep in rows.items():
     if signed_credit is not None:

@@ -327,9 +327,10 @@ def _check_prompts(task: Task, data: DataSpec, user_data: bool) -> None:
   """Every training and validation question's student and teacher prompts fit
   `config.data.prompt_width`, checked once at start-up (the embedded task's questions grow
   with `data.splits.hop_weights`)."""
-  splits = [("rl_train", "train_files"), ("rl_validation", "eval_files")]
-  for split, field in splits + ([] if user_data else [("sft", "")]):
-    field = field if user_data else f"dir's {split}"
+  # Each split and where its questions come from.
+  sources = ({"rl_train": "data.train_files", "rl_validation": "data.eval_files"} if user_data
+             else {split: f"data.dir's {split}" for split in ("rl_train", "rl_validation", "sft")})
+  for split, source in sources.items():
     records = task.splits[split]
     for start in range(0, len(records), 1024):
       chunk = records[start:start + 1024]
@@ -341,7 +342,7 @@ def _check_prompts(task: Task, data: DataSpec, user_data: bool) -> None:
         message = re.sub(r"(record|prompt) (\d+)",
                          lambda m: f"question {start + int(m.group(2))}", str(err))
         raise run_config.ConfigError(f"config.data.prompt_width={data.prompt_width}: "
-                                     f"data.{field}: {message}") from None
+                                     f"{source}: {message}") from None
 
 
 def load_policy(spec: RunSpec, ckpt_dir: str, step: int | None, workdir: str,
