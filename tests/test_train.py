@@ -303,7 +303,7 @@ def test_the_generator_fields_make_the_dataset_and_a_made_one_must_match(tmp_pat
 def test_the_long_horizon_config_trains_at_test_size(tmp_path):
   """configs/long_horizon.py as shipped (its world, chains, slips, 16 turns, 1,024 slots, the
   demo's optimiser and update) with the micro model and few questions, trained with oracle
-  credit (its RL step reads the rollouts' turn values)."""
+  credit (its RL step reads the rollouts' turn values) on two devices."""
   small = [f for f in SMALL if f.split("=")[0] not in (
       "--config.env.buffer_size", "--config.env.max_turns", "--config.optim.lr",
       "--config.sft.schedule", "--config.data.prompt_width")]
@@ -315,7 +315,9 @@ def test_the_long_horizon_config_trains_at_test_size(tmp_path):
          "--config.data.splits.rl_train=32",
          "--config.data.splits.rl_validation=8", "--config.data.splits.sft=32",
          "--config.data.splits.ood_per_tier=4", "--config.data.splits.ood_pool=6"]
-  proc = subprocess.run(cmd, env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""},
+  # On a mesh of two devices: the rows, the turn values and oracle credit split over them.
+  proc = subprocess.run(cmd, env={**os.environ, "JAX_PLATFORMS": "cpu",
+                                  "XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
                         capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   with open(tmp_path / "data" / "manifest.json") as f:
@@ -407,7 +409,7 @@ def test_the_knowledge_stage_trains_on_corpus_documents(kg, tmp_path):
   for row in range(4):
     want = documents[0][which[step][row]] if on_corpus[step][row] else tokens[row]
     np.testing.assert_array_equal(got[0][row], want)
-  # The run path: scripts/train.py with it.
+  # The run path: scripts/train.py with it, on a mesh of two devices.
   _train(str(tmp_path / "run"), os.path.dirname(kg.paths["spm_model"]),
-         "--config.sft.corpus_fraction=0.5", "--config.rl.steps=0")
+         "--config.sft.corpus_fraction=0.5", "--config.rl.steps=0", devices=2)
   assert [m["step"] for m in _metrics(str(tmp_path / "run")) if m["stage"] == "sft"] == [1, 2, 3, 4]
