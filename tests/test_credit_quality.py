@@ -1,5 +1,6 @@
 """Credit quality: turn labels from the gold chain, the rank AUC, and the metrics of an RL step."""
 
+import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -51,11 +52,34 @@ def test_turn_labels_follow_the_chain_repeats_and_invalid_actions():
                    [5, -1, -1, -1, -1, -1, -1],  # the second search failed
                    [7, 8, -1, -1, -1, -1, -1]])
   gold = jnp.array([[7, 8, -1], [5, 6, -1], [-1, -1, -1]])  # row 2: no chain known
-  got = np.asarray(gold_chain.turn_labels(kind, doc, gold))
+  got = np.asarray(gold_chain.turn_labels(kind, doc[..., None], gold))
   U, X = gold_chain.USEFUL, gold_chain.UNLABELLED
   np.testing.assert_array_equal(got, [[U, gold_chain.OFF_CHAIN, gold_chain.REPEAT, U, gold_chain.INVALID, X, X],
                                       [U, X, X, X, X, X, X],
                                       [X] * 7])
+
+
+def test_turn_labels_and_values_read_every_document_a_search_showed():
+  """Two documents a search (chain 7 -> 8 -> 9, one hop per search). Turn 0 shows 4 and the
+  chain's 7: useful. Turn 1 shows 7 again and 5: new, but off the chain. Turn 2 shows 8
+  second: useful. Turn 3 shows 5 and 8 again: a repeat. Turn 4 shows 9 where the
+  observation had room for only the first document (-1): useful."""
+  S, A = KIND_SEARCH, KIND_ANSWER
+  kind = jnp.array([[S, S, S, S, S, A]])
+  doc = jnp.array([[[4, 7], [7, 5], [6, 8], [5, 8], [9, -1], [-1, -1]]])
+  gold = jnp.array([[7, 8, 9]])
+  U = gold_chain.USEFUL
+  np.testing.assert_array_equal(gold_chain.turn_labels(kind, doc, gold),
+                                [[U, gold_chain.OFF_CHAIN, U, gold_chain.REPEAT, U,
+                                  gold_chain.UNLABELLED]])
+  # Progress 0 -> 1 -> 1 -> 2 -> 2 -> 3: the values are those of the same walk with each
+  # search's chain document on top.
+  tops = jnp.array([[[7], [5], [8], [5], [9], [-1]]])
+  ids = jnp.asarray(_turn_ids([[10, 20, 30, 40, 50, 60]], 100))
+  np.testing.assert_array_equal(gold_chain.turn_labels(kind, tops, gold),
+                                gold_chain.turn_labels(kind, doc, gold))
+  np.testing.assert_allclose(gold_chain.turn_values(kind, doc, gold, jnp.array([1.0]), ids),
+                             gold_chain.turn_values(kind, tops, gold, jnp.array([1.0]), ids))
 
 
 def test_gold_doc_batch_takes_the_documents_that_state_each_hop():
@@ -117,7 +141,7 @@ def test_turn_values_by_hand():
   (1 + 1) / (2 + 2) = 1/2 of the time; an answer at full progress is right (1 + 1) / (1 + 2)
   = 2/3 of the time. V(1, t >= 1) = 2/3, V(0, 1) = 0, V(0, 2) = 1/2 * 2/3 = 1/3."""
   kind = jnp.array([[KIND_SEARCH, KIND_ANSWER], [KIND_SEARCH, KIND_ANSWER]])
-  doc = jnp.array([[7, -1], [3, -1]])
+  doc = jnp.array([[[7], [-1]], [[3], [-1]]])
   gold = jnp.array([[7], [9]])
   ids = jnp.asarray(_turn_ids([[10, 20], [10, 20]], 100))  # 10 tokens a turn; room for 9
   values = gold_chain.turn_values(kind, doc, gold, jnp.array([1.0, 0.0]), ids)
@@ -133,7 +157,7 @@ def test_turn_values_by_hand():
   values = gold_chain.turn_values(kind, doc, gold, jnp.array([1.0, 0.0]), tight)
   np.testing.assert_allclose(values, [[0.0, 1 - 2 / 3], [0.0, 0.0]], atol=1e-6)
   # Turns not taken and rows without a chain are unlabelled.
-  none = gold_chain.turn_values(jnp.array([[KIND_SEARCH, -1]]), jnp.array([[7, -1]]),
+  none = gold_chain.turn_values(jnp.array([[KIND_SEARCH, -1]]), jnp.array([[[7], [-1]]]),
                                 jnp.array([[-1]]), jnp.array([0.0]),
                                 jnp.asarray(_turn_ids([[10]], 100)))
   assert np.all(np.isnan(none))
@@ -149,8 +173,8 @@ def _reference_values(kind, doc, gold, reward, starts, buffer, max_turns):
     for k in range(max_turns):
       p = next(m for m in range(h + 1) if m == hops[b] or gold[b][m] not in read)
       row_before.append(p)
-      if kind[b][k] == KIND_SEARCH and doc[b][k] >= 0:
-        read.add(doc[b][k])
+      if kind[b][k] == KIND_SEARCH:
+        read.update(d for d in doc[b][k] if d >= 0)
       row_after.append(next(m for m in range(h + 1) if m == hops[b] or gold[b][m] not in read))
     before.append(row_before)
     after.append(row_after)
@@ -201,7 +225,8 @@ def test_turn_values_equal_a_brute_force_reference(seed):
   b_rows, k_turns, h, buffer = 5, 6, 3, 90
   gold = np.full((b_rows, h), -1)
   kind = np.full((b_rows, k_turns), -1)
-  doc = np.full((b_rows, k_turns), -1)
+  shown = rng.integers(1, 3)  # documents a search shows
+  doc = np.full((b_rows, k_turns, shown), -1)
   starts = []
   for b in range(b_rows):
     hops = rng.integers(0, h + 1)
@@ -210,7 +235,7 @@ def test_turn_values_equal_a_brute_force_reference(seed):
     kind[b, :n - 1] = rng.choice([KIND_SEARCH, KIND_SEARCH, KIND_SEARCH, KIND_INVALID], n - 1)
     kind[b, n - 1] = rng.choice([KIND_SEARCH, KIND_ANSWER, KIND_ANSWER, 3])
     pool = np.concatenate([gold[b, :hops], rng.choice(20, 3), [-1]])
-    doc[b, :n] = np.where(kind[b, :n] == KIND_SEARCH, rng.choice(pool, n), -1)
+    doc[b, :n] = np.where(kind[b, :n, None] == KIND_SEARCH, rng.choice(pool, (n, shown)), -1)
     starts.append(list(np.cumsum(rng.integers(4, 16, n)) + 8))
   reward = (rng.random(b_rows) < 0.5).astype(np.float32)
   got = gold_chain.turn_values(jnp.asarray(kind), jnp.asarray(doc), jnp.asarray(gold),
@@ -232,12 +257,35 @@ def test_oracle_replay_labels_its_detours_off_chain_and_its_chain_searches_usefu
                                   + [-1] * (MAX_TURNS - n))
     for k, (gold_doc, detour) in enumerate(zip(r["gold_doc_ids"][:-1], r["detour_turns"])):
       if gold_doc is not None:
-        assert docs[k] == gold_doc  # the exact name finds its document
+        assert docs[k][0] == gold_doc  # the exact name finds its document
       if gold_doc is not None and not detour:
         assert labels[k] == gold_chain.USEFUL, (b, k)
       elif gold_doc is not None:
         assert labels[k] == gold_chain.OFF_CHAIN, (b, k)
     assert np.all(labels[n - 1:] == gold_chain.UNLABELLED)
+
+
+def test_a_rollout_records_every_document_its_observation_showed(kg, setup):
+  """top_k 2: the first document is the top_k 1 rollout's, the second a different one where
+  the observation has room for it and -1 where it shows only the first document's first
+  token; the device and host turn loops record the same."""
+  env, model, params = setup
+  records = _detoured_records(kg, 4)
+  actions = [r["actions"] for r in records]
+  one, _, _ = _replay(kg, setup, records, actions)
+  search = np.asarray(one.turn_kind) == KIND_SEARCH
+  tags = len(env.tag_tokens("info_open")) + len(env.tag_tokens("info_close"))
+  for room, second_shown in ((160, True), (tags + 1, False)):
+    wide = dataclasses.replace(env, top_k=2, max_observation_tokens=room, buffer_size=1200)
+    graph, host, _ = _replay(kg, (wide, model, params), records, actions)
+    np.testing.assert_array_equal(graph.turn_doc, host.turn_doc)
+    docs = np.asarray(graph.turn_doc)
+    np.testing.assert_array_equal(docs[..., 0], np.asarray(one.turn_doc)[..., 0])
+    if second_shown:
+      np.testing.assert_array_equal(docs[..., 1] >= 0, search)
+      assert np.all(docs[..., 1][search] != docs[..., 0][search])
+    else:
+      assert np.all(docs[..., 1] == -1)
 
 
 def test_an_rl_step_reports_the_auc_of_the_evidence_and_of_the_signed_credit(kg, setup):

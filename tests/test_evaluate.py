@@ -372,7 +372,7 @@ def test_evaluation_labels_the_searches_of_records_with_a_gold_chain(kg, automat
   out = ingraph_rollout(sampler, env, params, jnp.asarray(region["prompts"]),
                         jnp.asarray(region["prompt_mask"]), jax.random.key(0),
                         kg.retriever.index, jnp.asarray(gold_batch([["a"]], kg.encode, GOLD)))
-  doc = int(out.turn_doc[0, 0])
+  doc = int(out.turn_doc[0, 0, 0])
   assert doc >= 0
   chained = [dict(r, chain=[doc if i == 1 else doc + 1, 0], hops=1)
              for i, r in enumerate(records)]

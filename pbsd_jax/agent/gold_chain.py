@@ -3,10 +3,10 @@
 The synthetic generator knows each question's gold chain `(e_0, ..., e_h)`; the document of
 `e_k` (corpus row `e_k`) states the fact that leads to `e_{k+1}`, so the chain's documents are
 `e_0 ... e_{h-1}` (`gold_doc_batch`). Each turn of a rollout then gets a label
-(`turn_labels`): a search whose top document is a chain document not retrieved earlier in the
-episode is USEFUL; a search whose top document is off the chain (a confusable neighbour, a
-sloppy query) is OFF_CHAIN; one that retrieves a document already seen is REPEAT; an invalid
-action is INVALID. Answer and EOS turns, failed retrievals, absent turns and rows without a
+(`turn_labels`) from the documents each search showed (all of `top_k` that the observation
+had room for): a search that showed a chain document not shown earlier in the episode is
+USEFUL; one that showed new documents, none on the chain (a confusable neighbour, a sloppy
+query), is OFF_CHAIN; one that showed nothing new is REPEAT; an invalid action is INVALID. Answer and EOS turns, failed retrievals, absent turns and rows without a
 known chain are UNLABELLED.
 
 Those labels break at long horizons (a corrective search after a lucky sloppy one is a
@@ -14,7 +14,7 @@ Those labels break at long horizons (a corrective search after a lucky sloppy on
 each turn also gets its *value* (`turn_values`): the change it makes to the chance that the
 row is solved, read from the world and from the batch's own rollouts.
 - Progress `p`: how far along the gold chain the agent has read, the longest prefix
-  `e_0 .. e_{p-1}` of chain documents among those its searches retrieved.
+  `e_0 .. e_{p-1}` of chain documents among those its searches showed.
 - The chance of success `V(p, t)` with `t` turns left: a search at progress `p` advances with
   the batch's rate `a_p` (searches that read the next chain document, of those taken at `p`),
   and an answer at full progress is right with the batch's rate `c`:
@@ -69,18 +69,22 @@ def turn_labels(turn_kind: Array, turn_doc: Array, gold_docs: Array) -> Array:
 
   Args:
     turn_kind: `i32[B, K]` each turn's `agent_env.KIND_*`, -1 for a turn not taken.
-    turn_doc: `i32[B, K]` the top document of each search turn, -1 where there is none (not
-      a search, or the retrieval failed).
+    turn_doc: `i32[B, K, D]` the documents each search turn showed, best first, -1 where
+      there is none (not a search, the retrieval failed, no room to show it).
     gold_docs: `i32[B, H]` the chain documents (`gold_doc_batch`), -1 padded.
   """
-  k = turn_doc.shape[1]
-  searched = (turn_kind == KIND_SEARCH) & (turn_doc >= 0)
-  on_chain = jnp.any((turn_doc[:, :, None] == gold_docs[:, None, :])
-                     & (gold_docs[:, None, :] >= 0), axis=2)
-  same = turn_doc[:, :, None] == turn_doc[:, None, :]  # [B, k, j]
-  earlier = jnp.arange(k)[None, :] < jnp.arange(k)[:, None]  # j < k
-  repeat = jnp.any(same & earlier[None] & searched[:, None, :], axis=2)
-  label = jnp.where(repeat, REPEAT, jnp.where(on_chain, USEFUL, OFF_CHAIN))
+  b, k, d = turn_doc.shape
+  shown = turn_doc >= 0
+  searched = (turn_kind == KIND_SEARCH) & jnp.any(shown, axis=2)
+  flat, flat_shown = turn_doc.reshape(b, 1, k * d), shown.reshape(b, 1, k * d)
+  earlier = jnp.repeat(jnp.arange(k), d)[None, None, :] < jnp.arange(k)[None, :, None]
+  seen = jnp.any((turn_doc[..., None] == flat[:, :, None, :]) & flat_shown[:, :, None, :]
+                 & earlier[:, :, None, :], axis=3)  # [B, K, D] shown by an earlier turn
+  new = shown & ~seen
+  on_chain = jnp.any((turn_doc[..., None] == gold_docs[:, None, None, :])
+                     & (gold_docs[:, None, None, :] >= 0), axis=3)
+  label = jnp.where(jnp.any(new & on_chain, axis=2), USEFUL,
+                    jnp.where(jnp.any(new, axis=2), OFF_CHAIN, REPEAT))
   label = jnp.where(searched, label, jnp.where(turn_kind == KIND_INVALID, INVALID, UNLABELLED))
   has_chain = jnp.any(gold_docs >= 0, axis=1, keepdims=True)
   return jnp.where(has_chain, label, UNLABELLED).astype(jnp.int32)
@@ -104,8 +108,9 @@ def turn_values(turn_kind: Array, turn_doc: Array, gold_docs: Array, reward: Arr
   b, k = turn_kind.shape
   hops = jnp.sum(gold_docs >= 0, axis=1)  # [B]
   taken = turn_kind >= 0
-  hit = ((turn_doc[:, :, None] == gold_docs[:, None, :]) & (gold_docs[:, None, :] >= 0)
-         & (turn_doc[:, :, None] >= 0))  # [B, K, H]
+  hit = jnp.any((turn_doc[..., None] == gold_docs[:, None, None, :])
+                & (gold_docs[:, None, None, :] >= 0) & (turn_doc[..., None] >= 0),
+                axis=2)  # [B, K, H]: chain document j shown at turn k
   read = jnp.cumsum(hit, axis=1) > 0  # chain document j read by turn k
   after = jnp.sum(jnp.cumprod(read, axis=2), axis=2)  # [B, K] progress after each turn
   before = jnp.concatenate([jnp.zeros((b, 1), after.dtype), after[:, :-1]], axis=1)

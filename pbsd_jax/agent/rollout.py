@@ -65,8 +65,9 @@ class Rollout:
     search_failures: `i32[B]` searches whose retrieval failed (host retrievers only).
     prompt_width: P (static).
     turn_kind: `i32[B, K]` each turn's `agent_env.KIND_*`, -1 for a turn not taken.
-    turn_doc: `i32[B, K]` each search turn's top document (its corpus row, or a host
-      retriever's numeric document id), -1 where there is none.
+    turn_doc: `i32[B, K, top_k]` the documents each search turn showed, best first (corpus
+      rows, or a host retriever's numeric document ids), -1 where there is none (a failed
+      retrieval, a non-numeric id, a document the observation had no room for).
     turn_label: `i32[B, K]` each turn's `gold_chain.turn_labels` once `label_turns` gave it
       the gold chains, else None.
     turn_value: `f32[B, K]` each turn's `gold_chain.turn_values` (NaN where unlabelled),
@@ -126,7 +127,7 @@ class Episode:
     truncated: `bool[B]` ended by max_turns or the context budget.
     searches: `i32[B]` search turns so far.
     search_failures: `i32[B]` failed retrievals so far.
-    turn_kind, turn_doc: `i32[B, K]` as in `Rollout`.
+    turn_kind, turn_doc: as in `Rollout`.
     reward: `f32[B]` with text tags in-graph, the exact match of the last turn that held an
       answer span so far (`token_text.answer_match`); zeros otherwise.
   """
@@ -157,7 +158,8 @@ def _start(sampler: Sampler, env: AgentEnv, params, prompts: Array, prompt_mask:
   return Episode(decode=state, turn_ids=jnp.full(state.tokens.shape, -1, jnp.int32),
                  num_turns=zeros, finished=zeros.astype(bool),
                  truncated=(state.cursor >= env.buffer_size), searches=zeros,
-                 search_failures=zeros, turn_kind=no_turns, turn_doc=no_turns,
+                 search_failures=zeros, turn_kind=no_turns,
+                 turn_doc=jnp.full((b, env.max_turns, env.top_k), -1, jnp.int32),
                  reward=jnp.zeros((b,), jnp.float32))
 
 
@@ -237,9 +239,10 @@ def _act(sampler: Sampler, env: AgentEnv, params, ep: Episode, rng: Array, turn:
 
 @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=3)
 def _observe(sampler: Sampler, env: AgentEnv, params, ep: Episode, kind: Array, turn: Array,
-             doc_tokens: Array, doc_lengths: Array, failed: Array, top_doc: Array) -> Episode:
+             doc_tokens: Array, doc_lengths: Array, failed: Array, doc_ids: Array) -> Episode:
   """Appends each live row's observation (documents or the notice) in one batched prefill;
-  `top_doc: i32[B]` (the first document's id, -1 for none) is recorded for search turns."""
+  `doc_ids: i32[B, k]` (-1 for none) are recorded for search turns, each where the
+  observation showed at least one of its tokens."""
   live = ~ep.done
   room = env.buffer_size - ep.decode.cursor
   budget = jnp.minimum(env.max_observation_tokens, room)
@@ -256,9 +259,11 @@ def _observe(sampler: Sampler, env: AgentEnv, params, ep: Episode, kind: Array, 
   too_small = budget < len(info_open) + len(info_close) + 1
   out_of_room = live & ((state.cursor >= env.buffer_size) | (search & too_small))
   last_turn = live & (turn + 1 >= env.max_turns)
-  found = live & search & ~failed
+  body = obs_len - len(info_open) - len(info_close)
+  first = jnp.cumsum(doc_lengths, axis=1) - doc_lengths  # each document's first body column
+  shown = (live & search & ~failed)[:, None] & (doc_lengths > 0) & (first < body[:, None])
   return ep.replace(decode=state, truncated=ep.truncated | out_of_room | last_turn,
-                    turn_doc=ep.turn_doc.at[:, turn].set(jnp.where(found, top_doc, -1)),
+                    turn_doc=ep.turn_doc.at[:, turn].set(jnp.where(shown, doc_ids, -1)),
                     searches=ep.searches + (live & search),
                     search_failures=ep.search_failures + (live & search & failed))
 
@@ -327,7 +332,7 @@ def ingraph_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array,
     _, doc_ids = index.search(query, env.top_k)
     docs, lengths = index.documents(doc_ids)  # [B, k, L], [B, k]
     ep = _observe(sampler, env, params, ep, kind, turn, docs, lengths,
-                  jnp.zeros(kind.shape, bool), doc_ids[:, 0])
+                  jnp.zeros(kind.shape, bool), doc_ids)
     return ep, turn + 1
 
   with jax.named_scope("turn_loop"):  # its trip count's name (`hlo_cost`)
@@ -358,9 +363,10 @@ def _document_tokens(doc: Document, encode: Callable[[str], list[int]], limit: i
 
 def _host_retrieve(retriever: Any, queries: list[list[int]], texts: list[str], k: int,
                    limit: int, encode: Callable[[str], list[int]]
-                   ) -> tuple[list[list[list[int]]], list[int], bool]:
-  """Documents' observation tokens per query (at most `limit` each), each query's top
-  document id (-1 when it is not a number, or none came back) and whether retrieval failed.
+                   ) -> tuple[list[list[list[int]]], np.ndarray, bool]:
+  """Documents' observation tokens per query (at most `limit` each), their ids
+  (`i32[queries, k]`, -1 where an id is not a number or none came back) and whether retrieval
+  failed.
   The query is its token ids for a retriever with `retrieve_ids`, else its text."""
   try:
     if hasattr(retriever, "retrieve_ids"):
@@ -370,9 +376,12 @@ def _host_retrieve(retriever: Any, queries: list[list[int]], texts: list[str], k
   except RetrievalError as err:
     notice = Document(id="", contents=f"Search failed: {err.reason}.", score=0.0)
     failure = [_document_tokens(notice, encode, limit)]
-    return [failure for _ in queries], [-1] * len(queries), True
-  top = [int(docs[0].id) if docs and str(docs[0].id).isdigit() else -1 for docs in results]
-  return ([[_document_tokens(d, encode, limit) for d in docs] for docs in results], top, False)
+    return [failure for _ in queries], np.full((len(queries), k), -1, np.int32), True
+  ids = np.full((len(queries), k), -1, np.int32)
+  for q, docs in enumerate(results):
+    for i, d in enumerate(docs[:k]):
+      ids[q, i] = int(d.id) if str(d.id).isdigit() else -1
+  return ([[_document_tokens(d, encode, limit) for d in docs] for docs in results], ids, False)
 
 
 def _query_text(action_tokens: np.ndarray, decoded_query: str,
@@ -409,7 +418,7 @@ def host_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array, prompt
   on. A document is encoded only as far as an observation can show it
   (`max_observation_tokens` less the tags), so a 10 MB document costs what a short one does.
   The reward is text-level: SQuAD exact match of the last `<answer>` in the decoded action
-  tokens. A search's top document is recorded (`Rollout.turn_doc`) when its id is a number.
+  tokens. A search's documents are recorded (`Rollout.turn_doc`) where their ids are numbers.
   Arguments as in `ingraph_rollout`, plus the policy's `tokenizer` (its `text` is needed with
   text tags) and the gold answers as strings.
   """
@@ -429,7 +438,7 @@ def host_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array, prompt
     searching = np.flatnonzero(kind_np == KIND_SEARCH)
     docs: list[list[list[int]]] = [[] for _ in kind_np]
     failed = np.zeros(kind_np.shape, bool)
-    top_doc = np.full(kind_np.shape, -1, np.int32)
+    doc_ids = np.full((len(kind_np), env.top_k), -1, np.int32)
     if searching.size:
       ids = [[int(t) for t in query_np[i] if t >= 0] for i in searching]
       texts = [decode(q) for q in ids]
@@ -438,11 +447,11 @@ def host_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array, prompt
         texts = [_query_text(tokens[i][turn_ids[i] == turn], q, decode)
                  for i, q in zip(searching, texts)]
       got, top, fail = _host_retrieve(retriever, ids, texts, env.top_k, doc_limit, encode)
-      for i, row, doc in zip(searching, got, top):
-        docs[i], top_doc[i], failed[i] = row, doc, fail
+      for i, row, ids_i in zip(searching, got, top):
+        docs[i], doc_ids[i], failed[i] = row, ids_i, fail
     doc_tokens, doc_lengths = _pad_docs(docs, env.top_k, doc_limit)
     ep = _observe(sampler, env, params, ep, kind, jnp.int32(turn), doc_tokens, doc_lengths,
-                  failed, top_doc)
+                  failed, doc_ids)
   tokens = np.asarray(ep.decode.tokens)
   turn_ids = np.asarray(ep.turn_ids)
   reward = np.zeros(tokens.shape[0], np.float32)
