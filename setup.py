@@ -38,7 +38,10 @@ setuptools.setup(
                  # colabs/ executed in a real kernel (tests/test_colabs.py)
                  "nbclient>=0.10", "nbformat>=5.10", "ipykernel>=6.29",
                  # scripts/aot_compile.py compiled for a TPU topology (tests/test_aot.py)
-                 "jax[tpu]"],
+                 "jax[tpu]",
+                 # config.log.wandb, tested in W&B's offline mode (tests/test_wandb.py)
+                 "wandb>=0.19"],
+        "wandb": ["wandb>=0.19"],
         # libtpu of the installed jax: the TPU compiler, for TPU hosts and for compiling
         # ahead of time on any host (scripts/aot_compile.py).
         "tpu": ["jax[tpu]"],

@@ -105,6 +105,12 @@ def get_config() -> ml_collections.ConfigDict:
                                           top_p=0.95, pass_k=(1, 2, 4, 8, 16), every=0,
                                           sft_every=0))
 
+  # Logging: metrics.jsonl and TensorBoard always; Weights & Biases where `wandb.project` is
+  # set (name: the workdir's name when empty; mode "online" or "offline", uploaded later with
+  # `wandb sync <workdir>/wandb/offline-run-*`). A resumed workdir resumes its W&B run.
+  c.log = ml_collections.ConfigDict(dict(wandb=ml_collections.ConfigDict(dict(
+      project="", entity="", name="", mode="online"))))
+
   # Mesh ('data', 'fsdp', 'tensor'); -1 takes the remaining devices.
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
 

@@ -125,8 +125,10 @@ def main(argv):
     pool = task.records(pool) if pool else None
   except (FileNotFoundError, ValueError) as err:
     raise SystemExit(f"compare: {ood_flag}: {err}") from None
-  sft = train.sft_stage(spec, task, workdir, MetricLog(workdir), mesh, progress=tqdm.tqdm,
+  sft_log = MetricLog(workdir, spec.wandb, spec.settings)
+  sft = train.sft_stage(spec, task, workdir, sft_log, mesh, progress=tqdm.tqdm,
                         force_resume=_FORCE_RESUME.value)
+  sft_log.close()
   if _OOD.value:
     splits["ood"] = pool
   elif pool:
@@ -163,9 +165,11 @@ def main(argv):
     settings = settings.with_model(spec.model)
     workdir_lib.claim_for_script(run_dir, settings.settings, force=_FORCE_RESUME.value)
     policy_checkpoint.save_model_config(run_dir, spec.model)
-    log = MetricLog(run_dir)
+    log = MetricLog(run_dir, settings.wandb and settings.wandb.for_run(f"{method}_seed{seed}"),
+                    settings.settings)
     state = train.rl_stage(settings, task, sft.params, run_dir, log, mesh, progress=tqdm.tqdm,
                            force_resume=_FORCE_RESUME.value)
+    log.close()
     evals[(method, seed)] = final_eval(run_dir, settings, state.params)
     runs[(method, seed)] = log.path
     print(f"compare: {method} seed {seed}: greedy validation "

@@ -42,7 +42,7 @@ def main(argv):
   config, workdir = _CONFIG.value, _WORKDIR.value
   run = start_lib.start_run(config, workdir, force_resume=_FORCE_RESUME.value)
   spec, task, mesh = run.spec, run.task, run.mesh
-  log = MetricLog(workdir)
+  log = MetricLog(workdir, spec.wandb, spec.settings)
 
   def validation_accuracy(params, name, out_dir, settings=spec):
     result = train.validation_accuracy(settings, task, params, progress=tqdm.tqdm, credit=True)
@@ -60,6 +60,7 @@ def main(argv):
 
   sft_state = train.sft_stage(spec, task, workdir, log, mesh, progress=tqdm.tqdm,
                               force_resume=_FORCE_RESUME.value)
+  log.close()
   accuracy = {"sft": validation_accuracy(sft_state.params, "sft", workdir)}
   runs = {}
   for name in dict.fromkeys(("grpo", config.algorithm)):
@@ -69,10 +70,12 @@ def main(argv):
     run_dir = os.path.join(workdir, name)
     workdir_lib.claim_for_script(run_dir, rl_spec.settings, force=_FORCE_RESUME.value)
     policy_checkpoint.save_model_config(run_dir, spec.model)
-    run_log = MetricLog(run_dir)
+    run_log = MetricLog(run_dir, rl_spec.wandb and rl_spec.wandb.for_run(name),
+                        rl_spec.settings)
     rl_state = train.rl_stage(rl_spec, task, sft_state.params, run_dir, run_log, mesh,
                               progress=tqdm.tqdm, on_step=_credit_page(rl_spec, task, run_dir),
                               force_resume=_FORCE_RESUME.value)
+    run_log.close()
     accuracy[name] = validation_accuracy(rl_state.params, name, run_dir, rl_spec)
     report.plot_metrics(run_log.path, run_dir)
     runs[name] = run_log.path

@@ -33,12 +33,13 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # orbax logs every file it renames at INFO
   config, workdir, force = _CONFIG.value, _WORKDIR.value, _FORCE_RESUME.value
   run = start.start_run(config, workdir, force_resume=force)
-  log = MetricLog(workdir)
+  log = MetricLog(workdir, run.spec.wandb, run.spec.settings)
   progress = tqdm.tqdm if jax.process_index() == 0 else (lambda it, **kw: it)
   state = train.sft_stage(run.spec, run.task, workdir, log, run.mesh, progress=progress,
                           force_resume=force)
   train.rl_stage(run.spec, run.task, state.params, workdir, log, run.mesh, progress=progress,
                  force_resume=force)
+  log.close()
 
 
 if __name__ == "__main__":

@@ -117,6 +117,8 @@ def test_command_line_overrides_reach_the_algorithm():
     ("--config.data.splits.ood_hard_hops=4", "config.data.splits.ood_hard_hops"),
     ("--config.data.teacher_prompt=hints", "config.data.teacher_prompt"),
     ("--config.sft.corpus_fraction=1.0", "config.sft.corpus_fraction"),
+    ("--config.log.wandb.mode=cloud", "config.log.wandb.mode"),
+    ("--config.log.wandb.entity=lab", "config.log.wandb.entity"),  # W&B logging is off
     # The retrieval client's settings, whichever retriever is chosen.
     ("--config.env.timeout_s=0.0", "config.env.timeout_s"),
     ("--config.env.max_retries=-1", "config.env.max_retries"),

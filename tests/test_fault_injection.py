@@ -23,6 +23,7 @@ from pbsd_jax.agent.env.observations import ESCAPED_LT, format_document
 from pbsd_jax.agent.rollout import host_rollout
 from test_rollout import _forced, _prompts, setup  # noqa: F401 (setup: a fixture)
 from test_train import OPSD, _checkpoint, _metrics, _train
+from test_wandb import as_logged, by_step, wandb_records
 
 TIMEOUT_S = 0.5
 FAULTS = ("garbage", "schema", "500", "hang", "cut")  # each fails the attempt
@@ -253,20 +254,23 @@ def test_training_through_a_misbehaving_retriever_logs_every_fault(kg, tmp_path,
   record_property("faults_injected", sum(m != "clean" for m in served))
 
 
-# Where a run is killed: (seed, stage, asynchronous checkpoints). The seed draws the checkpoint
-# after which the kill comes and the delay after it.
-KILLS = [(0, "sft", False), (1, "rl", False), (2, "rl", True), (3, "sft", True)]
+# Where a run is killed: (seed, stage, asynchronous checkpoints, offline W&B logging). The seed
+# draws the checkpoint after which the kill comes and the delay after it.
+KILLS = [(0, "sft", False, False), (1, "rl", False, True), (2, "rl", True, False),
+         (3, "sft", True, False)]
 STEPS = {"sft": 4, "rl": 3}  # test_train.SMALL's
 
 
-@pytest.mark.parametrize("seed, stage, async_save", KILLS)
+@pytest.mark.parametrize("seed, stage, async_save, wandb", KILLS)
 def test_a_run_killed_at_a_random_point_resumes_bitwise_equal(kg, opsd_run, tmp_path, seed,
-                                                               stage, async_save,
+                                                               stage, async_save, wandb,
                                                                record_property):
   rng = random.Random(seed)
   after, delay = rng.randint(1, STEPS[stage] - 1), rng.uniform(0.0, 0.5)
   data_dir, workdir = os.path.dirname(kg.paths["spm_model"]), str(tmp_path)
-  flags = (*OPSD, f"--config.checkpoint.async_save={async_save}")
+  flags = (*OPSD, f"--config.checkpoint.async_save={async_save}",
+           *(("--config.log.wandb.project=pbsd-tests", "--config.log.wandb.mode=offline")
+             if wandb else ()))
   proc = _train(workdir, data_dir, *flags, wait=False)
   marker = os.path.join(workdir, f"ckpt_{stage}", str(after))
   deadline = time.time() + 300
@@ -284,6 +288,10 @@ def test_a_run_killed_at_a_random_point_resumes_bitwise_equal(kg, opsd_run, tmp_
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(a, b)
   assert _metrics(workdir) == _metrics(opsd_run)  # each step once, with the same values
+  if wandb:  # W&B holds each step once too, whatever the killed process had flushed
+    ids, _, history = wandb_records(workdir)
+    assert len(set(ids)) == 1
+    assert by_step(history) == by_step(as_logged(_metrics(workdir)))
   rl = [r for r in _metrics(opsd_run) if r["stage"] == "rl"]
   assert all(r["grad_norm"] > 0 for r in rl)  # RL really moved the parameters
   assert not all(np.array_equal(a, b) for a, b in zip(

@@ -1,4 +1,5 @@
-"""The run's metric log: per-step scalars to `<workdir>/metrics.jsonl` and TensorBoard.
+"""The run's metric log: per-step scalars to `<workdir>/metrics.jsonl`, TensorBoard and,
+where configured, Weights & Biases.
 
 One JSON object per line, `{"stage": ..., "step": ..., <metric>: <float>, ...}`, appended as
 the run goes (NaN, written as Python's `json` does, for a metric undefined at that step; such
@@ -6,12 +7,28 @@ values are left out of TensorBoard); `report.plot_metrics` reads it back. A resu
 first drops its rows after the restored step (`drop_after`) -- rows written after the last
 checkpoint by a run that was killed -- so the file holds each step once. In a multi-process
 run only process 0 writes (every process computes the same replicated metrics).
+
+Weights & Biases (`WandbSpec`, `config.log.wandb`) gets the TensorBoard scalars, each stage
+on its own step axis (`<stage>/step`), and the run's configuration. The W&B run's id is kept
+in `<workdir>/wandb_run.json`, so a resumed workdir resumes its W&B run; its files are under
+`<workdir>/wandb/` (an offline run: `wandb sync <workdir>/wandb/offline-run-*`). W&B's own
+step of a row is the row's line in metrics.jsonl: a resumed run asks W&B how many lines it
+holds (the server's step online; the run's transaction logs under `<workdir>/wandb` offline,
+`offline_history`) and sends the ones it lacks -- the rows a killed process logged but W&B
+had not flushed (it writes its log every 15 s), or a workdir's rows from before W&B logging
+was turned on. Rows W&B holds are not sent again: the steps a killed run logged after its last
+checkpoint keep the values it sent (a resumed run recomputes them bitwise equal,
+tests/test_fault_injection.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import glob
 import json
 import os
+import re
+import secrets
 import socket
 import struct
 import time
@@ -25,6 +42,21 @@ from pbsd_jax.data.jsonl import iter_jsonl
 def stage_rows(path: str, stage: str) -> list[dict]:
   """The rows of `stage` in a metrics file, in the order they were written."""
   return [row for _, row in iter_jsonl(path) if row.get("stage") == stage]
+
+
+def _whole_rows(path: str) -> list[dict]:
+  """Every row of a metrics file that parses (not the partial line a killed write can
+  leave); none where the file does not exist yet."""
+  if not os.path.exists(path):
+    return []
+  rows = []
+  with open(path) as f:
+    for line in f:
+      try:
+        rows.append(json.loads(line))
+      except json.JSONDecodeError:
+        continue
+  return rows
 
 
 def _kept(line: str, stage: str, step: int) -> bool:
@@ -46,12 +78,17 @@ class MetricLog:
   background writer thread can die unnoticed.
   """
 
-  def __init__(self, workdir: str):
+  def __init__(self, workdir: str, wandb: WandbSpec | None = None, config: dict | None = None):
+    """`wandb`: mirror the scalars to this W&B run (with the run's `config`), or None."""
     import jax
     self.path = os.path.join(workdir, "metrics.jsonl")
     self._tb_dir = os.path.join(workdir, "tensorboard")
     self.writes = jax.process_index() == 0
     self._events = None  # this process's event file, made at the first write
+    self._wandb = None
+    if wandb is not None and self.writes:
+      self._lines = len(_whole_rows(self.path))  # rows in metrics.jsonl
+      self._wandb = _WandbRun(workdir, wandb, config or {})
 
   def drop_after(self, stage: str, step: int):
     """Removes `stage`'s rows with a step after `step` (the file is replaced atomically)."""
@@ -60,6 +97,8 @@ class MetricLog:
     with open(self.path) as f:
       lines = f.readlines()
     keep = [line.rstrip("\n") + "\n" for line in lines if _kept(line, stage, step)]
+    if self._wandb is not None:
+      self._lines = len(keep)
     if keep == lines:
       return
     with storage.replaced(self.path) as f:
@@ -69,15 +108,19 @@ class MetricLog:
     """`stage_rows` of this log."""
     return stage_rows(self.path, stage)
 
+  def close(self):
+    """Finishes the W&B run (the files are closed after each write)."""
+    if self._wandb is not None:
+      self._wandb.run.finish()
+      self._wandb = None
+
   def write(self, stage: str, step: int, metrics: dict):
     if not self.writes:
       return
     row = {"stage": stage, "step": int(step),
            **{k: float(np.asarray(v)) for k, v in metrics.items()}}
     storage.append(self.path, (json.dumps(row) + "\n").encode())
-    # NaN marks a metric undefined at this step (an AUC with one class empty).
-    scalars = {f"{stage}/{k}": v for k, v in row.items()
-               if k not in ("stage", "step") and np.isfinite(v)}
+    scalars = finite_scalars(row)
     if self._events is None:
       with storage.writing(self._tb_dir):
         os.makedirs(self._tb_dir, exist_ok=True)
@@ -85,6 +128,110 @@ class MetricLog:
                                   f"{socket.gethostname()}.{os.getpid()}")
       storage.append(self._events, _record(_event(file_version="brain.Event:2")))
     storage.append(self._events, _record(_event(step=int(step), scalars=scalars)))
+    if self._wandb is not None:
+      self._wandb.send(self._lines, row, self.path)
+      self._lines += 1
+
+
+@dataclasses.dataclass(frozen=True)
+class WandbSpec:
+  """Weights & Biases logging (`config.log.wandb`): the run goes to `project` under `entity`
+  (empty: the account's default), named `name` (empty: the workdir's name), `mode` "online"
+  or "offline"."""
+
+  project: str
+  entity: str = ""
+  name: str = ""
+  mode: str = "online"
+
+  def for_run(self, run: str) -> WandbSpec:
+    """The spec of run `run` among several of one invocation (scripts/compare.py's methods
+    and seeds): named `<name>/<run>`, or by its own directory where `name` is empty."""
+    return dataclasses.replace(self, name=f"{self.name}/{run}" if self.name else "")
+
+
+def finite_scalars(row: dict) -> dict:
+  """A metrics row's scalars as TensorBoard and W&B get them, `<stage>/<metric>`: NaN marks
+  a metric undefined at that step (an AUC with one class empty) and is left out."""
+  return {f"{row['stage']}/{k}": v for k, v in row.items()
+          if k not in ("stage", "step") and np.isfinite(v)}
+
+
+class _WandbRun:
+  """The W&B run of a workdir (module docstring); `next` is the first metrics.jsonl line it
+  does not hold."""
+
+  def __init__(self, workdir: str, spec: WandbSpec, config: dict):
+    import wandb
+    state = os.path.join(workdir, "wandb_run.json")
+    if os.path.exists(state):
+      with open(state) as f:
+        run_id = json.load(f)["id"]
+    else:
+      run_id = secrets.token_hex(6)
+      with storage.replaced(state) as f:
+        json.dump({"id": run_id}, f)
+    # An offline run starts its step at 0 on every resume; its earlier logs hold the lines.
+    held = (1 + max((row["_step"] for row in offline_history(workdir, run_id)), default=-1)
+            if spec.mode == "offline" else None)
+    self.run = wandb.init(project=spec.project, entity=spec.entity or None,
+                          name=spec.name or os.path.basename(os.path.abspath(workdir)),
+                          id=run_id, resume="allow", mode=spec.mode, dir=workdir,
+                          config=config, reinit="create_new")
+    self.next = self.run.step if held is None else held
+    self.stages: set[str] = set()  # those given their step axis in this process
+
+  def send(self, line: int, row: dict, path: str):
+    """Sends metrics.jsonl's `line` (`row`), after the lines before it that W&B lacks."""
+    if line > self.next:
+      for i, earlier in enumerate(_whole_rows(path)[self.next:line], self.next):
+        self._log(i, earlier)
+    if line >= self.next:
+      self._log(line, row)
+
+  def _log(self, line: int, row: dict):
+    stage = row["stage"]
+    if stage not in self.stages:
+      self.run.define_metric(f"{stage}/*", step_metric=f"{stage}/step")
+      self.stages.add(stage)
+    self.run.log({**finite_scalars(row), f"{stage}/step": row["step"]}, step=line)
+    self.next = line + 1
+
+
+def offline_history(workdir: str, run_id: str) -> list[dict]:
+  """The history rows an offline W&B run recorded in its transaction logs under
+  `<workdir>/wandb` (every resumed segment, in the order they started): `{key: value}` with
+  W&B's own `_step`. A log is a LevelDB log (32 KiB blocks of records, each after a 7-byte
+  header: CRC, length, type) of `wandb_internal_pb2.Record`s, after a 7-byte file header."""
+  from wandb.proto import wandb_internal_pb2
+
+  rows = []
+  # `offline-run-<time>-<id>`, then `-1`, `-2`, ... for a segment started in the same second.
+  paths = glob.glob(os.path.join(workdir, "wandb", "offline-run-*", f"run-{run_id}.wandb"))
+  order = lambda p: re.fullmatch(r"offline-run-(\d+_\d+)-.*?(?:-(\d+))?",
+                                 os.path.basename(os.path.dirname(p))).groups(default="0")
+  for path in sorted(paths, key=lambda p: (order(p)[0], int(order(p)[1]))):
+    with open(path, "rb") as f:
+      data = f.read()
+    pos, chunks = 7, b""
+    while pos + 7 <= len(data):
+      if _BLOCK - pos % _BLOCK < 7:  # a block's tail too short for a header is padding
+        pos += _BLOCK - pos % _BLOCK
+        continue
+      _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+      if not length and not kind:
+        break
+      chunks, pos = chunks + data[pos + 7:pos + 7 + length], pos + 7 + length
+      if kind in (_FULL, _LAST):
+        record = wandb_internal_pb2.Record.FromString(chunks)
+        chunks = b""
+        if record.HasField("history"):
+          rows.append({"/".join(i.nested_key) or i.key: json.loads(i.value_json)
+                       for i in record.history.item})
+  return rows
+
+
+_BLOCK, _FULL, _LAST = 32768, 1, 4  # the LevelDB log's block size and record types
 
 
 # TensorBoard's event file, written without TensorBoard (or tensorboardX, which imports

@@ -27,6 +27,7 @@ from pbsd_jax.agent import privileged
 from pbsd_jax.agent.env.agent_env import AgentEnv
 from pbsd_jax.agent.env.http import HttpRetriever
 from pbsd_jax.data import oracle as oracle_lib, splits as splits_lib, world as world_lib
+from pbsd_jax.eval.metric_log import WandbSpec
 from pbsd_jax.generate.sampling import Sampler
 from pbsd_jax.models import ModelConfig, param_shapes, param_shardings
 from pbsd_jax.models.sizes import SIZES
@@ -409,6 +410,7 @@ class RunSpec:
     rollout_sampling, eval_sampling: the training and top-p evaluation sampler settings.
     mesh: `(data, fsdp, tensor)` as configured (-1: the remaining devices).
     seed: the run's seed.
+    wandb: where the metrics also go (`config.log.wandb`), None while its project is empty.
     settings: the configuration as plain JSON values: what the workdir records and the
       checkpoints fingerprint (`workdir.claim`, `workdir.fingerprint`).
   """
@@ -428,6 +430,7 @@ class RunSpec:
   mesh: tuple[int, int, int]
   seed: int
   settings: dict
+  wandb: WandbSpec | None = None
 
   def for_vocabulary(self, vocab_size: int) -> "RunSpec":
     """The spec with the model config of a vocabulary of `vocab_size` ids (`model_config`).
@@ -497,7 +500,8 @@ def _spec(config, model: ModelConfig, algorithm: Any, env: EnvSpec, optimizers: 
       checkpoint=CheckpointSpec(c.save_interval_steps, c.max_to_keep, c.async_save),
       rollout_sampling=sampling["rollout"], eval_sampling=sampling["eval"],
       mesh=(config.mesh.data, config.mesh.fsdp, config.mesh.tensor), seed=config.seed,
-      settings=workdir_lib.as_dict(config))
+      settings=workdir_lib.as_dict(config),
+      wandb=WandbSpec(**config.log.wandb) if config.log.wandb.project else None)
 
 
 def validate(config, num_devices: int | None = None) -> RunSpec:
@@ -595,7 +599,25 @@ def validate(config, num_devices: int | None = None) -> RunSpec:
   if config.rl.max_skipped_steps < 0:
     _fail("rl.max_skipped_steps", config.rl.max_skipped_steps, "must be >= 0 (0: never stop)")
   validate_checkpointer(config)
+  validate_wandb(config.log.wandb)
   return _spec(config, model, algorithm, env, optimizers, plan)
+
+
+def validate_wandb(w) -> None:
+  """`config.log.wandb`: a known mode, no run settings without a project, and the package
+  installed where it is used."""
+  if w.mode not in ("online", "offline"):
+    _fail("log.wandb.mode", w.mode, "must be 'online' or 'offline'")
+  if not w.project:
+    for field in ("entity", "name"):
+      if w[field]:
+        _fail(f"log.wandb.{field}", w[field], "is set but log.wandb.project is empty (W&B "
+              "logging is off)")
+    return
+  try:
+    import wandb  # noqa: F401
+  except ImportError:
+    _fail("log.wandb.project", w.project, "needs the wandb package: pip install wandb")
 
 
 def validate_checkpointer(config) -> None:

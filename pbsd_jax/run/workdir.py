@@ -5,7 +5,7 @@ for the life of the process -- the operating system drops it when the process en
 it ends, so a killed run never leaves the workdir locked -- and compares the run's
 configuration with the one recorded in `<workdir>/run_config.json` by the run that made it.
 Only the `RESUMABLE` fields may differ on resume: they change how long the run goes on, how
-it is evaluated and logged, where the retriever is, the mesh it runs on (a checkpoint
+it is evaluated and logged (`log`), where the retriever is, the mesh it runs on (a checkpoint
 restores onto any mesh) or how the layers are computed (rematerialisation, the layer scan's
 unroll, the attention kernel), never what the checkpoints hold.
 
@@ -31,7 +31,7 @@ from pbsd_jax.data import storage
 RESUMABLE = ("sft.steps", "rl.steps", "rl.save_rollouts", "eval", "checkpoint.save_interval_steps",
              "checkpoint.max_to_keep", "checkpoint.async_save", "env.url", "env.timeout_s",
              "env.max_retries", "env.index_dir", "env.index", "mesh", "model.remat",
-             "model.scan_unroll", "model.attention", "model.cache_dtype")
+             "model.scan_unroll", "model.attention", "model.cache_dtype", "log")
 CONFIG_FILE = "run_config.json"
 LOCK_FILE = ".lock"
 _held: list = []  # the locks `claim_for_script` keeps for the life of the process

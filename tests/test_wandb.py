@@ -1,0 +1,113 @@
+"""Weights & Biases logging (`config.log.wandb`): what W&B recorded, read back from the
+offline run's own transaction log, equals metrics.jsonl, across a resume and from a workdir
+that had metrics before W&B was on. test_fault_injection checks it through a killed run."""
+
+import glob
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+
+from pbsd_jax.eval.metric_log import MetricLog, WandbSpec, offline_history
+
+OFFLINE = WandbSpec(project="pbsd-tests", mode="offline")
+
+
+def wandb_records(workdir):
+  """`(run ids, config, history rows)` of the offline W&B run of `workdir`: each `run` record
+  (one per segment: the first and each resume) and the rows without W&B's own keys."""
+  with open(os.path.join(workdir, "wandb_run.json")) as f:
+    run_id = json.load(f)["id"]
+  ids, config = [], {}
+  for path in sorted(glob.glob(os.path.join(workdir, "wandb", "offline-run-*", "*.wandb"))):
+    with open(path, "rb") as f:
+      data = f.read()
+    for record in _records(data):
+      if record.HasField("run"):
+        ids.append(record.run.run_id)
+        config |= {u.key: json.loads(u.value_json) for u in record.run.config.update}
+  history = offline_history(workdir, run_id)
+  assert [row["_step"] for row in history] == list(range(len(history)))  # W&B's own step
+  return ids, config, [{k: v for k, v in row.items() if not k.startswith("_")}
+                       for row in history]
+
+
+def _records(data):
+  """The `Record`s of a transaction log whose records each fit in one block (the run
+  records read here do)."""
+  from wandb.proto import wandb_internal_pb2
+  pos = 7
+  while pos + 7 <= len(data):
+    _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+    if kind == 1:  # FULL
+      yield wandb_internal_pb2.Record.FromString(data[pos + 7:pos + 7 + length])
+    if not length:
+      return
+    pos += 7 + length
+
+
+def as_logged(rows):
+  """metrics.jsonl rows as W&B gets them: `<stage>/<metric>` of the finite values and the
+  stage's step."""
+  return [{**{f"{r['stage']}/{k}": v for k, v in r.items()
+              if k not in ("stage", "step") and np.isfinite(v)},
+           f"{r['stage']}/step": r["step"]} for r in rows]
+
+
+def by_step(history):
+  """W&B history rows by `(stage, step)`; a row sent twice fails."""
+  out = {}
+  for h in history:
+    (key,) = [k for k in h if k.endswith("/step")]
+    assert (key, h[key]) not in out, f"{key} {h[key]} sent twice"
+    out[(key, h[key])] = h
+  return out
+
+
+def _rows(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def test_the_offline_run_records_what_metrics_jsonl_holds_once_across_a_resume(tmp_path):
+  workdir = str(tmp_path)
+  config = {"algorithm": "pbsd", "optim": {"lr": 1e-4}}
+  log = MetricLog(workdir, OFFLINE, config)
+  log.write("sft", 1, {"loss": 2.5, "auc": float("nan")})
+  log.write("eval_sft", 1, {"accuracy": 0.25})
+  log.write("sft", 2, {"loss": 1.25, "auc": 0.75})
+  log.close()
+  # Resumed from the checkpoint of step 1: step 2 again (W&B holds it), then steps 3 and 4.
+  log = MetricLog(workdir, OFFLINE, config)
+  log.drop_after("sft", 1)
+  for step, loss in ((2, 1.25), (3, 0.5), (4, 0.25)):
+    log.write("sft", step, {"loss": loss, "auc": 0.75})
+  log.close()
+  ids, recorded, history = wandb_records(workdir)
+  assert len(ids) == 2 and ids[0] == ids[1]  # one W&B run, resumed
+  assert {k: recorded[k] for k in config} == config
+  assert by_step(history) == by_step(as_logged(_rows(workdir)))
+  assert history[0] == {"sft/loss": 2.5, "sft/step": 1}  # NaN left out, as in TensorBoard
+  assert history[2] == {"sft/loss": 1.25, "sft/auc": 0.75, "sft/step": 2}  # as first sent
+  assert [h.get("sft/step") for h in history] == [1, None, 2, 3, 4]
+
+
+def test_turning_wandb_on_for_a_workdir_with_metrics_sends_those_first(tmp_path):
+  workdir = str(tmp_path)
+  log = MetricLog(workdir)
+  log.write("sft", 1, {"loss": 3.0})
+  log.write("eval_sft", 1, {"accuracy": 0.25})
+  log = MetricLog(workdir, OFFLINE, {})
+  log.write("sft", 2, {"loss": 2.0})
+  log.close()
+  assert wandb_records(workdir)[2] == as_logged(_rows(workdir))  # in the order written
+  assert not os.path.exists(os.path.join(workdir, "wandb_run.json.tmp"))
+
+
+def test_a_run_without_wandb_makes_no_wandb_files(tmp_path):
+  log = MetricLog(str(tmp_path))
+  log.write("sft", 1, {"loss": 3.0})
+  log.close()
+  assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl", "tensorboard"]
