@@ -82,6 +82,18 @@ def test_turn_labels_and_values_read_every_document_a_search_showed():
                              gold_chain.turn_values(kind, tops, gold, jnp.array([1.0]), ids))
 
 
+def test_horizon_summary_by_hand():
+  """Row 0 (chain 7 -> 8) reads 7, misses with 9, reads 8, answers right; row 1 (chain 5 -> 6)
+  reads 5 and answers (wrong) before reading 6; row 2 has no chain and is left out."""
+  S, A = KIND_SEARCH, KIND_ANSWER
+  kind = np.array([[S, S, S, A], [S, A, -1, -1], [S, A, -1, -1]])
+  doc = np.array([[7, 9, 8, -1], [5, -1, -1, -1], [7, -1, -1, -1]])[..., None]
+  gold = np.array([[7, 8], [5, 6], [-1, -1]])
+  got = gold_chain.horizon_summary(kind, doc, gold, np.array([1.0, 0.0, 1.0]))
+  assert got == {"searches": 2.0, "hop_searches": [2, 2], "hop_advance": [1.0, 0.5],
+                 "full_progress": 0.5, "answers_at_full": 0.5, "accuracy_at_full": 1.0}
+
+
 def test_gold_doc_batch_takes_the_documents_that_state_each_hop():
   records = [{"chain": [3, 1, 4, 1], "hops": 3}, {"chain": [5, 9], "hops": 1}, {"question": "q"}]
   np.testing.assert_array_equal(gold_chain.gold_doc_batch(records, 4),

@@ -379,7 +379,12 @@ def test_evaluation_labels_the_searches_of_records_with_a_gold_chain(kg, automat
   got = ev.evaluate(kg.agent(sampler, env), params, chained, batch_size=4,
                     rng=jax.random.key(0), prompt_width=P, gold_width=GOLD,
                     credit_algo=algorithms.get("pbsd", group_size=1, normalize_std=False))
-  assert {k: v for k, v in got.items() if k != "credit"} == plain
+  assert {k: v for k, v in got.items() if k not in ("credit", "horizon")} == plain
   # Searches: records 1, 3, 5 (questions ending in '?'); only record 1's chain holds the doc.
   assert got["credit"]["labelled_turns"] == 3
   assert got["credit"]["frac_useful"] == pytest.approx(1 / 3)
+  horizon = got["horizon"]
+  assert horizon["searches"] == pytest.approx(3 / len(records))
+  assert horizon["hop_searches"][0] == 3 and horizon["hop_advance"][0] == pytest.approx(1 / 3)
+  assert horizon["full_progress"] == pytest.approx(1 / len(records))
+  assert horizon["tokens"] > got["mean_action_tokens"]  # observations count too

@@ -90,6 +90,47 @@ def turn_labels(turn_kind: Array, turn_doc: Array, gold_docs: Array) -> Array:
   return jnp.where(has_chain, label, UNLABELLED).astype(jnp.int32)
 
 
+def progress(turn_doc: Array, gold_docs: Array) -> tuple[Array, Array]:
+  """`(before, after)`, `i32[B, K]` each: how far along its gold chain a row has read before
+  and after each turn (module docstring). Arguments as in `turn_labels`."""
+  b = turn_doc.shape[0]
+  hit = jnp.any((turn_doc[..., None] == gold_docs[:, None, None, :])
+                & (gold_docs[:, None, None, :] >= 0) & (turn_doc[..., None] >= 0),
+                axis=2)  # [B, K, H]: chain document j shown at turn k
+  read = jnp.cumsum(hit, axis=1) > 0  # chain document j read by turn k
+  after = jnp.sum(jnp.cumprod(read, axis=2), axis=2).astype(jnp.int32)
+  before = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), after[:, :-1]], axis=1)
+  return before, after
+
+
+def horizon_summary(turn_kind: np.ndarray, turn_doc: np.ndarray, gold_docs: np.ndarray,
+                    reward: np.ndarray) -> dict:
+  """How far rollouts get along their chains, pooled over rows with a chain:
+  `searches` (mean per trajectory), `hop_searches[p]` (searches taken at progress p) and
+  `hop_advance[p]` (the share of them that read the next chain document: 1 minus the
+  per-hop error rate; NaN where none), `full_progress` (the share of trajectories that read
+  their whole chain), `answers_at_full` (the share of answers given with the whole chain read)
+  and `accuracy_at_full` (of those, the share right)."""
+  before, after = (np.asarray(x) for x in progress(jnp.asarray(turn_doc),
+                                                   jnp.asarray(gold_docs)))
+  hops = np.sum(gold_docs >= 0, axis=1)
+  rows = hops > 0
+  kind, reward = turn_kind[rows], reward[rows]
+  before, after, hops = before[rows], after[rows], hops[rows]
+  search = (kind == KIND_SEARCH) | (kind == KIND_INVALID)
+  answer = kind == KIND_ANSWER
+  full = answer & (before == hops[:, None])
+  h = gold_docs.shape[1]
+  at = [search & (before == p) for p in range(h)]
+  ratio = lambda n, d: float(n / d) if d else float("nan")
+  return {"searches": ratio(np.sum(kind == KIND_SEARCH), len(kind)),
+          "hop_searches": [int(np.sum(m)) for m in at],
+          "hop_advance": [ratio(np.sum(m & (after > before)), np.sum(m)) for m in at],
+          "full_progress": ratio(np.sum(np.max(after, axis=1, initial=0) >= hops), len(kind)),
+          "answers_at_full": ratio(np.sum(full), np.sum(answer)),
+          "accuracy_at_full": ratio(np.sum(full & (reward[:, None] > 0)), np.sum(full))}
+
+
 def _rate(hits: Array, trials: Array) -> Array:
   return (jnp.sum(hits, axis=-1) + 1.0) / (jnp.sum(trials, axis=-1) + 2.0)
 
@@ -108,12 +149,7 @@ def turn_values(turn_kind: Array, turn_doc: Array, gold_docs: Array, reward: Arr
   b, k = turn_kind.shape
   hops = jnp.sum(gold_docs >= 0, axis=1)  # [B]
   taken = turn_kind >= 0
-  hit = jnp.any((turn_doc[..., None] == gold_docs[:, None, None, :])
-                & (gold_docs[:, None, None, :] >= 0) & (turn_doc[..., None] >= 0),
-                axis=2)  # [B, K, H]: chain document j shown at turn k
-  read = jnp.cumsum(hit, axis=1) > 0  # chain document j read by turn k
-  after = jnp.sum(jnp.cumprod(read, axis=2), axis=2)  # [B, K] progress after each turn
-  before = jnp.concatenate([jnp.zeros((b, 1), after.dtype), after[:, :-1]], axis=1)
+  before, after = progress(turn_doc, gold_docs)
   answering = (turn_kind == KIND_ANSWER) | (turn_kind == KIND_EOS)
   searching = taken & ~answering
   h = gold_docs.shape[1]

@@ -187,7 +187,9 @@ def evaluate(agent: Agent, params: Any, records: Sequence[Mapping], *, batch_siz
     teacher_template: the teacher's privileged block (the run's `data.teacher_template`).
 
   Returns:
-    The dict of `summarize` (and `credit`).
+    The dict of `summarize`; where every record has a gold chain, `horizon`
+    (`gold_chain.horizon_summary`, and `tokens`: the mean trajectory tokens, observations
+    included); and `credit`.
   """
   if batch_size < 1:
     raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -197,12 +199,12 @@ def evaluate(agent: Agent, params: Any, records: Sequence[Mapping], *, batch_siz
     raise ValueError("no records to evaluate")
   # Encoded once for all records (so every batch has the same number of gold variants);
   # each batch takes its rows.
-  with_credit = (credit_algo is not None and "logp_teacher" in credit_algo.needs
-                 and all("chain" in r for r in records))
+  chains = all("chain" in r for r in records)
+  with_credit = credit_algo is not None and "logp_teacher" in credit_algo.needs and chains
   region = question_batch(records, agent.tokenizer, prompt_width=prompt_width,
                           gold_width=gold_width, template=template,
                           teacher_template=teacher_template if with_credit else None,
-                          gold_chains=with_credit)
+                          gold_chains=chains)
   rows = np.repeat(np.arange(len(records)), samples_per_question)
   num_batches = -(-len(rows) // batch_size)
   parts = []
@@ -216,15 +218,24 @@ def evaluate(agent: Agent, params: Any, records: Sequence[Mapping], *, batch_siz
     stats = {"reward": out.reward, "num_turns": out.num_turns,
              "num_action_tokens": out.num_action_tokens, "finished": out.finished,
              "truncated": out.truncated}
-    if with_credit:
+    if chains:
+      stats["turn_kind"], stats["turn_doc"] = out.turn_kind, out.turn_doc
+      stats["tokens"] = out.length - out.prompt_width
       stats["turn_label"], stats["turn_value"] = out.turn_label, out.turn_value
+    if with_credit:
       stats["evidence"] = _turn_evidence(credit_algo, agent.sampler.model, agent.env.max_turns,
                                          params, out, region["teacher_prompt"][padded],
                                          region["teacher_prompt_mask"][padded])
     parts.append((len(chunk), stats))
-  fields = OUTCOME_FIELDS + (("turn_label", "turn_value", "evidence") if with_credit else ())
+  fields = (OUTCOME_FIELDS
+            + (("turn_kind", "turn_doc", "turn_label", "turn_value", "tokens") if chains else ())
+            + (("evidence",) if with_credit else ()))
   outcomes = {f: np.concatenate([np.asarray(s[f])[:m] for m, s in parts]) for f in fields}
   result = summarize(outcomes, [tier_name(r) for r in records], samples_per_question, pass_k)
+  if chains:
+    result["horizon"] = gold_chain.horizon_summary(
+        outcomes["turn_kind"], outcomes["turn_doc"], region["gold_docs"][rows],
+        outcomes["reward"]) | {"tokens": float(np.mean(outcomes["tokens"]))}
   if with_credit:
     result["credit"] = credit_summary(outcomes["turn_label"], outcomes["evidence"],
                                       outcomes["reward"] > 0.5, outcomes["turn_value"])
