@@ -40,7 +40,10 @@ setuptools.setup(
                  # scripts/aot_compile.py compiled for a TPU topology (tests/test_aot.py)
                  "jax[tpu]",
                  # config.log.wandb, tested in W&B's offline mode (tests/test_wandb.py)
-                 "wandb>=0.19"],
+                 "wandb>=0.19",
+                 # the dense retriever's index (tests/test_dense_retriever.py; its encoder
+                 # needs the `hf` extra too)
+                 "faiss-cpu>=1.8"],
         "wandb": ["wandb>=0.19"],
         # libtpu of the installed jax: the TPU compiler, for TPU hosts and for compiling
         # ahead of time on any host (scripts/aot_compile.py).
@@ -48,5 +51,8 @@ setuptools.setup(
         # torch is pinned: 2.13.0 is a local CPU wheel on our machines; an open range
         # would pull a multi-GB CUDA build.
         "hf": ["torch==2.13.0", "transformers>=4.51", "jinja2>=3.1.6"],
+        # env.retriever=dense, scripts/build_index.py --encoder: a faiss index of sentence
+        # embeddings from a transformers encoder.
+        "dense": ["faiss-cpu>=1.8", "torch==2.13.0", "transformers>=4.51"],
     },
 )

@@ -61,9 +61,11 @@ def get_config() -> ml_collections.ConfigDict:
 
   # Environment: `retriever` is "ingraph" (a device BM25 index, whole step in one jit), "host"
   # (the same index through the host turn loop), "bm25s" (a host bm25s index: `index_dir` from
-  # scripts/build_index.py, else built from data.corpus) or "http" (a Search-R1 retrieval
-  # server at `url`). The device index is `index` "dense" (a [V, N] weight matrix: small
-  # corpora) or "sparse" (CSR postings, one shard per device), or the sparse index that
+  # scripts/build_index.py, else built from data.corpus), "dense" (Search-R1's dense retriever
+  # on the host: the faiss index of sentence embeddings that scripts/build_index.py --encoder
+  # saved in `index_dir`) or "http" (a Search-R1 retrieval server at `url`). The device index
+  # is `index` "dense" (a [V, N] BM25 weight matrix: small corpora) or "sparse" (CSR
+  # postings, one shard per device), or the sparse index that
   # `scripts/build_index.py --tokenizer` saved in `index_dir`.
   c.env = ml_collections.ConfigDict(dict(
       retriever="ingraph", url="", timeout_s=10.0, max_retries=3, index_dir="", index="dense",

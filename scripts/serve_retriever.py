@@ -7,9 +7,13 @@ Backends:
     index saved earlier (`--index_dir`; built from `--corpus` and saved there if it is empty).
   --backend=token: the in-graph BM25 index over the corpus tokenised with a SentencePiece model
     (`--spm_model`), i.e. the retriever of the embedded demo, served to host loops.
+  --backend=dense: the faiss index of sentence embeddings that `scripts/build_index.py
+    --encoder` saved in `--index_dir` (Search-R1's e5 retriever); queries are embedded with the
+    encoder and prefix it records, `--batch_size` per forward pass.
 
-Example:
+Examples:
   python scripts/serve_retriever.py --corpus=data/corpus.jsonl --port=8000
+  python scripts/serve_retriever.py --backend=dense --index_dir=/data/wiki_e5 --port=8000
 """
 
 import os
@@ -19,16 +23,18 @@ import sys
 from absl import app, flags, logging
 
 from pbsd_jax import protocol
+from pbsd_jax.agent.env.dense_retriever import DenseRetriever
 from pbsd_jax.agent.env.host_bm25 import HostBM25Retriever, read_corpus
 from pbsd_jax.agent.env.http import RetrievalServer
 from pbsd_jax.agent.env.token_retriever import TokenBM25Retriever
 from pbsd_jax.run import cli
 
-_BACKEND = flags.DEFINE_enum("backend", "bm25s", ["bm25s", "token"], "Which index to serve.")
+_BACKEND = flags.DEFINE_enum("backend", "bm25s", ["bm25s", "token", "dense"],
+                             "Which index to serve.")
 _CORPUS = flags.DEFINE_string("corpus", None, "Corpus JSONL with 'id' and 'contents' fields.")
 _INDEX_DIR = flags.DEFINE_string("index_dir", None,
                                  "bm25s backend: load the index saved here, or build from "
-                                 "--corpus and save it here.")
+                                 "--corpus and save it here; dense backend: the saved index.")
 _SPM_MODEL = flags.DEFINE_string("spm_model", None, "token backend: SentencePiece model file.")
 _HOST = flags.DEFINE_string("host", "127.0.0.1", "Interface to bind (0.0.0.0 for all).")
 _PORT = flags.DEFINE_integer("port", 8000, "Port to bind (0: any free port).")
@@ -37,6 +43,8 @@ _K1 = flags.DEFINE_float("k1", 1.5, "BM25 k1.")
 _B = flags.DEFINE_float("b", 0.75, "BM25 b.")
 _STOPWORDS = flags.DEFINE_string("stopwords", None,
                                  "bm25s backend: stop-word list name (e.g. 'en'), default none.")
+_BATCH_SIZE = flags.DEFINE_integer("batch_size", 512,
+                                   "dense backend: queries per forward pass of the encoder.")
 
 
 def _bm25s_retriever() -> HostBM25Retriever:
@@ -69,9 +77,19 @@ def _token_retriever() -> TokenBM25Retriever:
                                        b=_B.value, ignore_ids=ignore_ids)
 
 
+def _dense_retriever() -> DenseRetriever:
+  if not _INDEX_DIR.value:
+    raise app.UsageError("--backend=dense needs --index_dir (scripts/build_index.py --encoder)")
+  try:
+    return DenseRetriever.load(_INDEX_DIR.value, batch_size=_BATCH_SIZE.value)
+  except ValueError as err:
+    raise SystemExit(f"serve_retriever: --index_dir: {err}") from None
+
+
 def main(argv):
   del argv
-  retriever = _bm25s_retriever() if _BACKEND.value == "bm25s" else _token_retriever()
+  backends = {"bm25s": _bm25s_retriever, "token": _token_retriever, "dense": _dense_retriever}
+  retriever = backends[_BACKEND.value]()
   server = RetrievalServer(retriever, host=_HOST.value, port=_PORT.value,
                            default_topk=_TOPK.value)
   server.start()

@@ -24,6 +24,7 @@ from jax.sharding import Mesh
 
 from pbsd_jax import protocol
 from pbsd_jax.agent import privileged
+from pbsd_jax.agent.env import dense_retriever
 from pbsd_jax.agent.env.agent_env import AgentEnv
 from pbsd_jax.agent.env.http import HttpRetriever
 from pbsd_jax.data import oracle as oracle_lib, splits as splits_lib, world as world_lib
@@ -35,7 +36,7 @@ from pbsd_jax.parallel import sharding
 from pbsd_jax.rl import algorithms, learner, train_state
 from pbsd_jax.run import workdir as workdir_lib
 
-RETRIEVERS = ("ingraph", "host", "bm25s", "http")
+RETRIEVERS = ("ingraph", "host", "bm25s", "dense", "http")
 # GRPO fields whose "off" is None in the algorithm and 0 in the config (command-line typed).
 _ZERO_IS_NONE = {"dual_clip": 0.0, "norm_len": 0.0, "overlong_max_len": 0}
 # Validation builds the environment before the vocabulary exists: distinct stand-in tag ids.
@@ -531,6 +532,12 @@ def validate(config, num_devices: int | None = None) -> RunSpec:
     _fail("env.retriever", config.env.retriever, f"must be one of {RETRIEVERS}")
   if config.env.index not in ("dense", "sparse"):
     _fail("env.index", config.env.index, "must be 'dense' or 'sparse'")
+  if config.env.retriever == "dense":
+    if not config.env.index_dir:
+      _fail("env.index_dir", config.env.index_dir, "env.retriever='dense' needs the directory "
+            "of a dense index (scripts/build_index.py --encoder)")
+    with naming_fields({}, "env.index_dir"):
+      dense_retriever.read_settings(config.env.index_dir)
   if config.env.retriever != "ingraph" and jax.process_count() > 1:
     _fail("env.retriever", config.env.retriever, "must be 'ingraph' in a multi-process run "
           "(a host retriever's turn loop reads every row of the batch on one host)")

@@ -50,11 +50,11 @@ class Task:
       chat template).
     env: the environment settings.
     search: what rollouts search (`config.env.retriever`): the device index (`ingraph`), or
-      a host `Retriever`: the token BM25 behind a host call (`host`), a `bm25s` index or a
-      retrieval server.
+      a host `Retriever`: the token BM25 behind a host call (`host`), a `bm25s` index, a
+      dense index (`dense`) or a retrieval server.
     index: the token BM25 on the devices (`BM25Index`, or `SparseBM25Index`:
       `config.env.index`), which SFT's oracle replays search; None where there is none (a
-      `bm25s` or HTTP retriever over user data).
+      `bm25s`, dense or HTTP retriever over user data).
     splits: records by split: `rl_train`, `rl_validation`, `sft` (and `ood` in the embedded
       task).
     corpus: the corpus JSONL the token BM25 and SFT's knowledge rows read (`config.data.corpus`
@@ -205,8 +205,9 @@ def prepare_task(spec: RunSpec, workdir: str, mesh: Any = None, connect: bool = 
   them, else the embedded SentencePiece model. Search (`config.env.retriever`, `_search`): the
   token BM25 over the corpus (`ingraph` on the devices, `host` behind a host call;
   `config.data.corpus` or the embedded corpus), a `bm25s` index (`config.env.index_dir`, else
-  built from the corpus), or a retrieval server (`http`, probed here). Over user data no
-  device index is built for `bm25s` or `http`.
+  built from the corpus), the dense index in `config.env.index_dir` (`dense`), or a retrieval
+  server (`http`, probed here). Over user data no device index is built for `bm25s`, `dense`
+  or `http`.
 
   Raises:
     run_config.ConfigError: naming the field, for anything that cannot run.
@@ -266,6 +267,7 @@ def _search(spec: RunSpec, corpus: str, vocab: Any, keep_index: bool, mesh: Any,
     run_config.ConfigError: naming the field, for a corpus, index or server that cannot be
       used.
   """
+  from pbsd_jax.agent.env.dense_retriever import DenseRetriever
   from pbsd_jax.agent.env.host_bm25 import HostBM25Retriever, read_corpus
   from pbsd_jax.agent.env.http import HttpRetriever
   from pbsd_jax.agent.env.token_retriever import TokenBM25Retriever
@@ -274,6 +276,12 @@ def _search(spec: RunSpec, corpus: str, vocab: Any, keep_index: bool, mesh: Any,
   if kind in ("ingraph", "host", "bm25s") and not (corpus or retrieval.index_dir):
     raise run_config.ConfigError(f"config.env.retriever={kind!r} needs config.data.corpus "
                                  "(a corpus JSONL with 'id' and 'contents')")
+  if kind == "dense":
+    # Loaded first: its errors name env.index_dir, and come before the token index is built.
+    try:
+      search = DenseRetriever.load(retrieval.index_dir)
+    except (FileNotFoundError, ValueError) as err:
+      raise run_config.ConfigError(f"config.env.index_dir: {err}") from None
   try:
     if kind in ("ingraph", "host") or keep_index:
       ids, contents = read_corpus(corpus)
@@ -285,6 +293,8 @@ def _search(spec: RunSpec, corpus: str, vocab: Any, keep_index: bool, mesh: Any,
     if kind == "bm25s":
       return (HostBM25Retriever.load(retrieval.index_dir) if retrieval.index_dir
               else HostBM25Retriever.from_jsonl(corpus)), index
+    if kind == "dense":
+      return search, index
     server = HttpRetriever(retrieval.url, timeout_s=retrieval.timeout_s,
                            max_retries=retrieval.max_retries)
     if connect:
@@ -293,7 +303,8 @@ def _search(spec: RunSpec, corpus: str, vocab: Any, keep_index: bool, mesh: Any,
   except (FileNotFoundError, ValueError) as err:
     if isinstance(err, run_config.ConfigError):
       raise
-    field = "env.index_dir" if retrieval.index_dir and kind != "http" else "data.corpus"
+    field = ("env.index_dir" if retrieval.index_dir and kind not in ("http", "dense")
+             else "data.corpus")
     raise run_config.ConfigError(f"config.{field}: {err}") from None
 
 

@@ -9,7 +9,8 @@ A search backend is one of two kinds, and the rollout dispatches on which
     index argument's sharding.
   * a `Retriever` maps a batch of text queries to ranked documents from the host, between the
     jitted pieces of the turn loop: `TokenBM25Retriever` (a device index behind a host call),
-    the `bm25s`-backed `HostBM25Retriever` and `HttpRetriever` (a Search-R1 retrieval server).
+    the `bm25s`-backed `HostBM25Retriever`, the faiss-backed `DenseRetriever` (sentence
+    embeddings) and `HttpRetriever` (a Search-R1 retrieval server).
 
 Failure contract: `retrieve` either returns one list per query or raises `RetrievalError`, and
 nothing else, for failures the episode should survive (service down, timeouts, malformed
