@@ -14,6 +14,10 @@ computes turn evidence (PBSD, RLSD) and the questions carry their gold chains (t
 task), each trajectory is also scored on its teacher prompt: `credit` gives the ROC AUC of the
 evidence for useful vs. other searches (`evaluate.credit_summary`). Results are written as
 JSON (`--out`) and printed as tables.
+
+Multi-host: the same command on every host, with the process flags of `scripts/train.py`
+(docs/cluster.md); each process rolls out its rows of every batch, and process 0 prints and
+writes the results.
 """
 
 import json
@@ -44,11 +48,12 @@ _NUM_EXAMPLES = flags.DEFINE_integer("num_examples", None,
 _BATCH_SIZE = flags.DEFINE_integer("batch_size", 64, "Rollout rows per call.")
 _SEED = flags.DEFINE_integer("seed", 0, "Sampling seed.")
 _OUT = flags.DEFINE_string("out", None, "JSON results (default: <workdir>/eval_<ckpt>.json).")
-
+_DISTRIBUTED = cli.define_distributed()
 
 
 def main(argv):
   del argv
+  cli.initialize_distributed(_DISTRIBUTED)  # before anything touches a device
   import jax
   import tqdm
 
@@ -63,6 +68,7 @@ def main(argv):
     config.data.dir = _DATA_DIR.value
   try:
     spec, task, params, step = start.start_evaluation(config, ckpt_dir, _STEP.value, workdir)
+    mesh = spec.build_mesh()
     num_examples = (spec.eval.num_examples if _NUM_EXAMPLES.value is None
                     else _NUM_EXAMPLES.value)
     splits = {name: evaluate.head_per_tier(task.records(name), num_examples)
@@ -75,23 +81,27 @@ def main(argv):
   results = {"checkpoint": ckpt_dir, "step": step, "samples_per_question": samples,
              "temperature": sampling.temperature, "top_p": sampling.top_p, "splits": {}}
   rng = jax.random.key(_SEED.value)
+  first = jax.process_index() == 0
+  bar = (lambda it, **kw: tqdm.tqdm(it, leave=False, **kw)) if first else (lambda it, **kw: it)
+  say = print if first else (lambda *a: None)
   for i, (name, records) in enumerate(splits.items()):
     got = evaluate.evaluate_policy(
         task.agent(spec.sampler("eval")), params, records, batch_size=_BATCH_SIZE.value,
         rng=jax.random.fold_in(rng, i), prompt_width=spec.data.prompt_width,
         gold_width=spec.data.gold_width, template=spec.data.template,
         samples_per_question=samples, pass_k=spec.eval.pass_k,
-        progress=lambda it, **kw: tqdm.tqdm(it, leave=False, **kw),
-        credit_algo=spec.algorithm, teacher_template=spec.data.teacher_template)
+        progress=bar, credit_algo=spec.algorithm, teacher_template=spec.data.teacher_template,
+        mesh=mesh)
     results["splits"][name] = got
-    print(f"\n{name} ({len(records)} questions), {os.path.basename(ckpt_dir)}"
-          f"{'' if step is None else f' step {step}'}")
-    print(evaluate.format_table(got))
+    say(f"\n{name} ({len(records)} questions), {os.path.basename(ckpt_dir)}"
+        f"{'' if step is None else f' step {step}'}")
+    say(evaluate.format_table(got))
   suffix = "" if step is None else f"_step{step}"
   out = _OUT.value or os.path.join(workdir, f"eval_{os.path.basename(ckpt_dir)}{suffix}.json")
-  with storage.replaced(out) as f:
-    json.dump(results, f, indent=2)
-  print(f"\nwrote {out}")
+  if first:
+    with storage.replaced(out) as f:
+      json.dump(results, f, indent=2)
+  say(f"\nwrote {out}")
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@ Medium (`pbsd_jax.eval.evaluate.stratify`). `--per_tier` questions per tier are 
 as `kind`) and `solve_count` / `samples` added -- ready for `scripts/evaluate.py --splits=<out>`
 and `scripts/compare.py --ood=<out>` (`evaluate.stratified_subset`). The embedded task's pool
 is the `ood_pool` split (`pbsd_jax.data.splits`: longer chains and unseen compositions), so the
-tiers depend on the checkpoint, not on the generator. Checkpoint, data and config flags as in
-`scripts/evaluate.py`.
+tiers depend on the checkpoint, not on the generator. Checkpoint, data, config and
+multi-host flags as in `scripts/evaluate.py`: each process rolls out its rows of every batch,
+and process 0 writes the subset.
 """
 
 import os
@@ -40,10 +41,13 @@ _SAMPLING = flags.DEFINE_enum("sampling", "rollout", ["rollout", "eval"],
                               "top-p evaluation (config.eval).")
 _OUT = flags.DEFINE_string("out", None,
                            "Output JSONL (default: <workdir>/stratified_<split>.jsonl).")
+_DISTRIBUTED = cli.define_distributed()
 
 
 def main(argv):
   del argv
+  cli.initialize_distributed(_DISTRIBUTED)  # before anything touches a device
+  import jax
   import tqdm
 
   from pbsd_jax import protocol
@@ -60,21 +64,25 @@ def main(argv):
   if _SAMPLES.value < 1 or _PER_TIER.value < 1:
     raise app.UsageError("--samples and --per_tier must be >= 1")
   try:
-    spec, task, params, step = start.start_evaluation(config, ckpt_dir, _STEP.value, workdir,
-                                                      mesh=False)
+    spec, task, params, step = start.start_evaluation(config, ckpt_dir, _STEP.value, workdir)
+    mesh = spec.build_mesh()
     records = task.records(_SPLIT.value)
   except (FileNotFoundError, ValueError) as err:
     raise SystemExit(f"stratify: {err}") from None
 
+  first = jax.process_index() == 0
   try:
     rows, summary = evaluate.stratified_subset(
         task.agent(spec.sampler(_SAMPLING.value)), params, records,
         num_samples=_SAMPLES.value, per_tier=_PER_TIER.value, seed=_SEED.value,
         batch_size=_BATCH_SIZE.value, prompt_width=spec.data.prompt_width,
         gold_width=spec.data.gold_width, template=spec.data.template,
-        progress=lambda it, **kw: tqdm.tqdm(it, leave=False, **kw))
+        progress=(lambda it, **kw: tqdm.tqdm(it, leave=False, **kw)) if first
+        else (lambda it, **kw: it), mesh=mesh)
   except ValueError as err:
     raise SystemExit(f"stratify: {_SPLIT.value}: {err}") from None
+  if not first:
+    return
   out = _OUT.value or os.path.join(
       workdir, f"stratified_{os.path.splitext(os.path.basename(_SPLIT.value))[0]}.jsonl")
   jsonl.write_jsonl(out, rows)

@@ -388,3 +388,25 @@ def test_evaluation_labels_the_searches_of_records_with_a_gold_chain(kg, automat
   assert horizon["hop_searches"][0] == 3 and horizon["hop_advance"][0] == pytest.approx(1 / 3)
   assert horizon["full_progress"] == pytest.approx(1 / len(records))
   assert horizon["tokens"] > got["mean_action_tokens"]  # observations count too
+
+
+def test_on_a_mesh_each_device_rolls_out_its_own_rows_and_samples_what_one_device_does(
+    kg, automaton, monkeypatch):
+  from pbsd_jax.agent.rollout import Agent
+  from pbsd_jax.models import param_shardings
+  from pbsd_jax.parallel import sharding
+  env, config, params, records = automaton
+  agent = kg.agent(Sampler(config, temperature=1.0, top_p=0.95), env)
+  run = lambda p, **kw: ev.evaluate(agent, p, records, batch_size=6, rng=jax.random.key(3),
+                                    prompt_width=P, gold_width=GOLD, samples_per_question=2,
+                                    **kw)
+  one_device = run(params)
+  rollouts, rollout = [], Agent.rollout
+  monkeypatch.setattr(Agent, "rollout", lambda *a, **kw: rollouts.append(rollout(*a, **kw))
+                      or rollouts[-1])
+  mesh = sharding.make_mesh(2, 4, 1)  # 8 data-parallel devices
+  # 12 rows in batches of 6, each padded to 8 rows on the mesh: the same draws per row.
+  assert run(jax.device_put(params, param_shardings(config, mesh)), mesh=mesh) == one_device
+  assert len(rollouts) == 2
+  for x in (rollouts[0].tokens, rollouts[0].reward, rollouts[0].turn_doc):
+    assert x.shape[0] == 8 and x.sharding.spec[0] == ("data", "fsdp")  # a device's own rows

@@ -7,9 +7,13 @@ the tensor axis, gradient sums over the data axes) into partial sums added in an
 so float32 parameters differ in the last bits, compounded over 7 Adam updates. Measured: a
 max |diff| of 2e-6 (1 device vs 2x2x2); asserted: 2e-5. Two processes x 4 devices and one
 process x 8 devices run the same partitioned program on the same mesh, and are compared at
-the same tolerance (gloo's all-reduce need not add in XLA:CPU's order).
+the same tolerance (gloo's all-reduce need not add in XLA:CPU's order). The runs evaluate as they
+train (`EVAL`: 6 validation rows, padded to 8 over the 4 data-parallel devices) and save every
+step's rollout; evaluation and saved rollouts are compared the same way: what was sampled
+exactly, floats at the tolerance.
 """
 
+import json
 import os
 import shutil
 import signal
@@ -33,6 +37,8 @@ from test_train import OPSD, ROOT, SMALL, _checkpoint, _metrics, _train
 pytestmark = pytest.mark.xdist_group("multihost")
 
 MESH = ("--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=2")
+EVAL = ("--config.eval.every=2", "--config.eval.sft_every=2", "--config.eval.num_examples=6",
+        "--config.rl.save_rollouts=1")
 ATOL = 2e-5
 # Per-step metrics that depend only on what was sampled, not on float rounding.
 SAMPLED = ("accuracy", "mean_turns", "mean_action_tokens", "searches", "failed_searches")
@@ -47,9 +53,12 @@ def _free_port():
 def _pair(kg, workdir, port, *extra):
   """Two processes of one run, 4 fake CPU devices each, the 2x2x2 mesh over all 8."""
   data_dir = os.path.dirname(kg.paths["spm_model"])
-  return [_train(workdir, data_dir, *OPSD, *MESH, f"--coordinator_address=127.0.0.1:{port}",
-                 "--num_processes=2", f"--process_id={i}", *extra, wait=False, devices=4)
-          for i in range(2)]
+  return [_train(workdir, data_dir, *OPSD, *MESH, *EVAL,
+                 *_processes(port, i), *extra, wait=False, devices=4) for i in range(2)]
+
+
+def _processes(port, i):
+  return (f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2", f"--process_id={i}")
 
 
 def _wait(procs, timeout=600):
@@ -71,7 +80,10 @@ def _assert_close_runs(a, b, atol=ATOL):
                           jax.tree.leaves(want["params"])):
     np.testing.assert_allclose(x, y, rtol=0, atol=atol, err_msg=jax.tree_util.keystr(path))
   np.testing.assert_array_equal(got["rng"], want["rng"])  # the same samples ahead
+  # Compared on the stages both logged (a run without `EVAL` has no `eval` rows).
   rows_a, rows_b = _metrics(a), _metrics(b)
+  both = {r["stage"] for r in rows_a} & {r["stage"] for r in rows_b}
+  rows_a, rows_b = ([r for r in rows if r["stage"] in both] for rows in (rows_a, rows_b))
   assert [(r["stage"], r["step"]) for r in rows_a] == [(r["stage"], r["step"]) for r in rows_b]
   for x, y in zip(rows_a, rows_b):
     assert {k: x[k] for k in SAMPLED if k in x} == {k: y[k] for k in SAMPLED if k in y}
@@ -80,7 +92,7 @@ def _assert_close_runs(a, b, atol=ATOL):
 @pytest.fixture(scope="module")
 def eight_devices(kg, tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("mesh_1x8"))
-  _train(workdir, os.path.dirname(kg.paths["spm_model"]), *OPSD, *MESH, devices=8)
+  _train(workdir, os.path.dirname(kg.paths["spm_model"]), *OPSD, *MESH, *EVAL, devices=8)
   return workdir
 
 
@@ -102,7 +114,91 @@ def test_two_processes_end_where_one_process_does(two_processes, eight_devices, 
   _assert_close_runs(two_processes, eight_devices)
   _assert_close_runs(two_processes, opsd_run)
   # Only process 0 wrote the metrics: each step once.
-  assert len(_metrics(two_processes)) == len(_metrics(opsd_run))
+  assert len(_metrics(two_processes)) == len(_metrics(eight_devices))
+
+
+def test_two_processes_evaluate_what_one_process_and_one_device_do(kg, two_processes,
+                                                                   eight_devices, opsd_run):
+  from pbsd_jax.run import task as task_lib, train
+  evals = lambda workdir: {(r["stage"], r["step"]): {k: r[k] for k in SAMPLED if k in r}
+                           for r in _metrics(workdir) if r["stage"].startswith("eval")}
+  got = evals(two_processes)
+  assert sorted(got) == [("eval", 0), ("eval", 2), ("eval", 3), ("eval_sft", 2),
+                         ("eval_sft", 4)]
+  assert got == evals(eight_devices)
+  # One device, from the one-device run's checkpoints (RL step 0 starts from SFT step 4).
+  spec = run_config.validate(load("pbsd", *SMALL, *OPSD, *EVAL), num_devices=1)
+  task = task_lib.prepare_task(spec, os.path.dirname(kg.paths["spm_model"]))
+  spec = spec.for_vocabulary(task.vocab.vocab_size)
+  device = sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1])
+  for (stage, step), row in got.items():
+    params = _checkpoint(opsd_run, *(("rl", step) if stage == "eval" and step
+                                     else ("sft", step or 4)))["params"]
+    result = train.validation_accuracy(spec, task, params, mesh=device)
+    assert {k: result[k] for k in row} == row, (stage, step)
+
+
+def test_two_processes_save_the_rollout_rows_one_process_does(two_processes, eight_devices):
+  for step in (1, 2, 3):
+    name = os.path.join("rollouts", f"rl_{step}.npz")
+    with np.load(os.path.join(two_processes, name)) as got, \
+        np.load(os.path.join(eight_devices, name)) as want:
+      assert sorted(got) == sorted(want) and got["tokens"].shape[0] == 4
+      for key in want:
+        if want[key].dtype.kind == "f":
+          np.testing.assert_allclose(got[key], want[key], rtol=0, atol=ATOL, err_msg=key)
+        else:
+          np.testing.assert_array_equal(got[key], want[key], err_msg=key)
+  assert sorted(os.listdir(os.path.join(two_processes, "rollouts"))) == [
+      "rl_1.npz", "rl_2.npz", "rl_3.npz"]
+
+
+def _evaluate(kg, ckpt_dir, out, *extra, devices=1):
+  """scripts/evaluate.py on `ckpt_dir`'s latest step: 4 validation questions, greedy and one
+  top-p sample each, in episodes of at most 2 turns of 16 tokens."""
+  cmd = [sys.executable, os.path.join(ROOT, "scripts", "evaluate.py"), f"--ckpt_dir={ckpt_dir}",
+         f"--config={os.path.join(ROOT, 'configs', 'pbsd.py')}", *SMALL,
+         f"--data_dir={os.path.dirname(kg.paths['spm_model'])}", "--splits=rl_validation",
+         "--num_examples=4", "--samples=1", "--batch_size=4", "--config.env.max_turns=2",
+         "--config.env.max_action_tokens=16", f"--out={out}", *extra]
+  flags = f"--xla_force_host_platform_device_count={devices}" if devices > 1 else ""
+  return subprocess.Popen(cmd, env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags},
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _flat(tree, prefix=""):
+  """`{"/key/0/...": leaf}` of a JSON tree."""
+  items = (tree.items() if isinstance(tree, dict) else enumerate(tree)
+           if isinstance(tree, list) else None)
+  if items is None:
+    return {prefix: tree}
+  return {k: v for key, value in items for k, v in _flat(value, f"{prefix}/{key}").items()}
+
+
+def test_evaluate_on_two_processes_writes_once_what_one_process_computes(kg, eight_devices,
+                                                                         tmp_path):
+  ckpt_dir = os.path.join(eight_devices, "ckpt_rl")
+  port = _free_port()
+  # All 8 devices on `data` (the RL and SFT batches made to split over them): the decode
+  # loops hold no collective over gloo but the one that ends them.
+  data_parallel = ("--config.mesh.data=8", "--config.mesh.fsdp=1", "--config.mesh.tensor=1",
+                   "--config.rollout.prompts_per_step=4", "--config.sft.batch_size=8")
+  pair = [_evaluate(kg, ckpt_dir, tmp_path / "pair" / "eval.json", *data_parallel,
+                    *_processes(port, i), devices=4) for i in range(2)]
+  one = _evaluate(kg, ckpt_dir, tmp_path / "one" / "eval.json")
+  codes, outs = _wait(pair + [one])
+  assert codes == [0, 0, 0], "\n".join(out[-2000:] for out in outs)
+  assert "wrote" in outs[0] and "wrote" not in outs[1] and "accuracy" not in outs[1]
+  assert os.listdir(tmp_path / "pair") == ["eval.json"]
+  got, want = (_flat(json.loads((tmp_path / d / "eval.json").read_text()))
+               for d in ("pair", "one"))
+  assert sorted(got) == sorted(want)
+  assert any(k.endswith("credit/auc_evidence") for k in got)
+  for key, value in want.items():
+    if isinstance(value, float) and not float(value).is_integer():
+      assert got[key] == pytest.approx(value, rel=0, abs=ATOL, nan_ok=True), key
+    else:
+      assert got[key] == value, key
 
 
 def test_a_killed_process_of_two_resumes_with_its_peer(kg, two_processes, tmp_path,
@@ -157,8 +253,8 @@ def test_a_2x2x2_run_continues_on_one_device(kg, eight_devices, tmp_path):
   workdir = str(tmp_path / "run")
   shutil.copytree(eight_devices, workdir)
   shutil.rmtree(os.path.join(workdir, "ckpt_rl", "3"))
-  _train(workdir, os.path.dirname(kg.paths["spm_model"]), *OPSD)  # 1 device, default mesh
-  _assert_close_runs(workdir, eight_devices)
+  _train(workdir, os.path.dirname(kg.paths["spm_model"]), *OPSD, *EVAL)  # 1 device
+  _assert_close_runs(workdir, eight_devices)  # its step-3 evaluation included
 
 
 @pytest.mark.parametrize("override, field", [

@@ -6,6 +6,14 @@ dropped afterwards -- so one compilation serves a whole split. Each question is 
 `samples_per_question` = n times on consecutive rows; batch `i` samples with
 `fold_in(rng, i)`. A trajectory is correct when its reward (exact match, 0 or 1) exceeds 1/2.
 
+On a mesh (an in-graph agent), each batch is padded further to a multiple of the mesh's
+data-parallel devices and its rows are sharded over them (`sharding.shard_host_batch`): every
+process feeds and decodes only its own rows, as the RL step does. A row's random draws depend
+on its index in the batch, not on the batch's width (`jax_threefry_partitionable`, JAX's
+default), so the trajectories are the same on any number of devices and processes. The
+per-trajectory outcomes are then gathered to every process (`sharding.host_rows`), so each
+computes the same statistics.
+
 The paper's two settings are greedy decoding (temperature 0) and nucleus sampling (temperature
 1, top-p 0.95); `evaluate_policy` runs both. The statistics (`summarize`), pass@k (`pass_at_k`)
 and the BC(300)-style difficulty split (`stratify`) are pure functions of per-trajectory
@@ -23,11 +31,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax.sharding import Mesh
+
 from pbsd_jax import protocol
 from pbsd_jax.agent import gold_chain, privileged
 from pbsd_jax.agent.batch import question_batch
 from pbsd_jax.agent.rollout import Agent
 from pbsd_jax.models import ModelConfig
+from pbsd_jax.parallel import sharding
 from pbsd_jax.rl import credit_quality
 from pbsd_jax.rl.evidence import policy_batch
 
@@ -164,7 +175,8 @@ def evaluate(agent: Agent, params: Any, records: Sequence[Mapping], *, batch_siz
              template: str = protocol.DEFAULT_PROMPT_TEMPLATE,
              progress: Callable[..., Iterable] = lambda it, **kw: it,
              credit_algo: Any = None,
-             teacher_template: str = privileged.DEFAULT_PRIVILEGED_TEMPLATE) -> dict:
+             teacher_template: str = privileged.DEFAULT_PRIVILEGED_TEMPLATE,
+             mesh: Mesh | None = None) -> dict:
   """Rolls the policy out on `records` and returns `summarize`'s statistics.
 
   Args:
@@ -185,6 +197,9 @@ def evaluate(agent: Agent, params: Any, records: Sequence[Mapping], *, batch_siz
       record has a gold chain, each trajectory is also scored on its teacher prompt and the
       result gains `credit` (`credit_summary`, pooled over every labelled turn of the split).
     teacher_template: the teacher's privileged block (the run's `data.teacher_template`).
+    mesh: the mesh `params` live on: an in-graph agent's rows are sharded over its data axes,
+      on every process of a multi-process run, each of which calls this
+      with the same arguments and gets the same result. None: the rows as host arrays.
 
   Returns:
     The dict of `summarize`; where every record has a gold chain, `horizon`
@@ -207,12 +222,18 @@ def evaluate(agent: Agent, params: Any, records: Sequence[Mapping], *, batch_siz
                           gold_chains=chains)
   rows = np.repeat(np.arange(len(records)), samples_per_question)
   num_batches = -(-len(rows) // batch_size)
+  sharded = mesh is not None and agent.in_graph
+  shards = sharding.num_batch_shards(mesh) if sharded else 1
+  width = -(-batch_size // shards) * shards
+  keys = ("prompts", "prompt_mask", "gold", "gold_docs") + (
+      ("teacher_prompt", "teacher_prompt_mask") if with_credit else ())
   parts = []
   for i in progress(range(num_batches), desc="eval", total=num_batches):
     chunk = rows[i * batch_size:(i + 1) * batch_size]
-    padded = np.resize(chunk, batch_size)  # repeats the chunk's own rows: one shape
-    batch = {k: region[k][padded] for k in ("prompts", "prompt_mask", "gold", "gold_docs")
-             if k in region}
+    padded = np.resize(chunk, width)  # repeats the chunk's own rows: one shape
+    batch = {k: region[k][padded] for k in keys if k in region}
+    if sharded:
+      batch = sharding.shard_host_batch(batch, mesh)
     out = agent.rollout(params, jax.random.fold_in(rng, i), batch,
                         golden_answers=[records[r]["golden_answers"] for r in padded])
     stats = {"reward": out.reward, "num_turns": out.num_turns,
@@ -224,9 +245,9 @@ def evaluate(agent: Agent, params: Any, records: Sequence[Mapping], *, batch_siz
       stats["turn_label"], stats["turn_value"] = out.turn_label, out.turn_value
     if with_credit:
       stats["evidence"] = _turn_evidence(credit_algo, agent.sampler.model, agent.env.max_turns,
-                                         params, out, region["teacher_prompt"][padded],
-                                         region["teacher_prompt_mask"][padded])
-    parts.append((len(chunk), stats))
+                                         params, out, batch["teacher_prompt"],
+                                         batch["teacher_prompt_mask"])
+    parts.append((len(chunk), sharding.host_rows(stats) if sharded else stats))
   fields = (OUTCOME_FIELDS
             + (("turn_kind", "turn_doc", "turn_label", "turn_value", "tokens") if chains else ())
             + (("evidence",) if with_credit else ()))

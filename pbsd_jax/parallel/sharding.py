@@ -263,6 +263,28 @@ def shard_process_local_batch(tree: Any, mesh: Mesh, global_batch: int, rules=RU
   return jax.tree.map(put, tree)
 
 
+def shard_host_batch(tree: Any, mesh: Mesh, rules=RULES) -> Any:
+  """`shard_process_local_batch` of a whole batch that every process holds alike (pytree of
+  host arrays `[B, ...]`): each process feeds its own rows of it."""
+  global_batch = np.shape(jax.tree.leaves(tree)[0])[0]
+  rows = process_batch_rows(global_batch, mesh, rules)
+  return shard_process_local_batch(jax.tree.map(lambda x: np.asarray(x)[rows], tree), mesh,
+                                   global_batch, rules)
+
+
+def host_rows(tree: Any) -> Any:
+  """Numpy copies of the whole of every array of `tree`, on every process.
+
+  The leaves are global `jax.Array`s (e.g. rows sharded by `shard_process_local_batch`). With
+  several processes each holds only its rows, so they are all-gathered: a collective that
+  every process must call, in the same order.
+  """
+  if jax.process_count() == 1:
+    return jax.tree.map(np.asarray, tree)
+  from jax.experimental import multihost_utils
+  return multihost_utils.process_allgather(tree, tiled=True)
+
+
 def assert_params_sufficiently_sharded(params: Any, mesh: Mesh, tolerance: float = 0.02):
   """Fails loudly when more than `tolerance` of the parameters are left unsharded.
 

@@ -207,7 +207,8 @@ def run_programs(spec: RunSpec, task: Task, mesh: Mesh) -> list[Program]:
   The SFT step is built for sequences of the whole buffer (`env.buffer_size`), the widest an
   SFT batch can be; the RL step for `rollout.prompts_per_step x grpo.group_size` rows;
   evaluation, where the run evaluates (`eval.every`, `eval.sft_every`), for its batch of
-  `min(50, eval.num_examples)` rows.
+  `min(50, eval.num_examples)` rows (an in-graph agent's padded to split over the data axes,
+  as `evaluate.evaluate` pads them).
   """
   model, env, rl = spec.model, task.env, spec.rl
   rows, whole = sharding.batch_sharding(mesh), sharding.replicated(mesh)
@@ -265,7 +266,11 @@ def run_programs(spec: RunSpec, task: Task, mesh: Mesh) -> list[Program]:
   eval_rows = min(50, spec.eval.num_examples)
   sampler = Sampler(model, temperature=0.0)  # greedy, as `train.validation_accuracy`
   eval_agent = task.agent(sampler)
-  eval_batch = {k: jax.ShapeDtypeStruct((eval_rows, *v.shape[1:]), v.dtype, sharding=whole)
+  if eval_agent.in_graph:
+    shards = sharding.num_batch_shards(mesh)
+    eval_rows = -(-eval_rows // shards) * shards
+  eval_batch = {k: jax.ShapeDtypeStruct((eval_rows, *v.shape[1:]), v.dtype,
+                                        sharding=rows if eval_agent.in_graph else whole)
                 for k, v in batch.items() if k in ("prompts", "prompt_mask", "gold")}
   if eval_agent.in_graph:
     index, text = _device_index(eval_agent.search, mesh), eval_agent.tokenizer.text
@@ -277,7 +282,7 @@ def run_programs(spec: RunSpec, task: Task, mesh: Mesh) -> list[Program]:
                           eval_batch["prompts"], eval_batch["prompt_mask"], key, index,
                           eval_batch["gold"], text=text),
         {"turn_loop": env.max_turns, **decode}, 1, "eval.num_examples, env.buffer_size",
-        estimate("eval", rows=eval_rows, split_rows=False)))
+        estimate("eval", rows=eval_rows)))
   else:
     out += _host_loop(spec, task, eval_agent, state.params, eval_batch, whole, "eval",
                       lambda kind: estimate(kind, rows=eval_rows, split_rows=False))

@@ -73,7 +73,7 @@ def estimate(spec, mesh: Mesh, kind: str, rows: int | None = None,
   `eval`, or the host loop's `start`, `act`, `observe`) and their `total`, bytes per device.
 
   `rows`: the program's batch (default: the stage's); `split_rows=False`: every device holds
-  every row (evaluation, whose batch comes from the host).
+  every row (the host retriever's evaluation loop).
   """
   model, env = spec.model, spec.env
   shards = sharding.num_batch_shards(mesh) if split_rows else 1

@@ -592,17 +592,10 @@ def validate(config, num_devices: int | None = None) -> RunSpec:
   for field in ("every", "sft_every"):
     if config.eval[field] < 0:
       _fail(f"eval.{field}", config.eval[field], "must be >= 0 (0: never)")
-    if config.eval[field] and jax.process_count() > 1:
-      _fail(f"eval.{field}", config.eval[field], "must be 0 in a multi-process run (the "
-            "validation rollout is not sharded over processes; evaluate its checkpoints with "
-            "scripts/evaluate.py)")
   if any(k < 1 for k in config.eval.pass_k):
     _fail("eval.pass_k", config.eval.pass_k, "every k must be >= 1")
   if config.rl.save_rollouts < 0:
     _fail("rl.save_rollouts", config.rl.save_rollouts, "must be >= 0 (0: never)")
-  if config.rl.save_rollouts and jax.process_count() > 1:
-    _fail("rl.save_rollouts", config.rl.save_rollouts, "must be 0 in a multi-process run (a "
-          "process holds only its rows of the rollout)")
   if config.rl.max_skipped_steps < 0:
     _fail("rl.max_skipped_steps", config.rl.max_skipped_steps, "must be >= 0 (0: never stop)")
   validate_checkpointer(config)

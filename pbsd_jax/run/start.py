@@ -38,12 +38,11 @@ def start_run(config, workdir: str, *, force_resume: bool = False) -> Started:
   return Started(spec, task, mesh)
 
 
-def start_evaluation(config, ckpt_dir: str, step: int | None, workdir: str, *,
-                     mesh: bool = True) -> tuple[run_config.RunSpec, task_lib.Task, Any,
-                                                 int | None]:
+def start_evaluation(config, ckpt_dir: str, step: int | None, workdir: str
+                     ) -> tuple[run_config.RunSpec, task_lib.Task, Any, int | None]:
   """What the evaluation scripts do first: validate `config` (a bad one ends the script with
   one line), prepare the task and read the policy of `ckpt_dir` (`task.load_policy`; the
-  latest step unless `step`), onto the run's mesh with `mesh`, else one device. Returns
+  latest step unless `step`), onto the run's mesh (`spec.build_mesh()`). Returns
   `(spec, task, params, step)`, the spec's model the checkpoint's.
 
   Raises:
@@ -51,5 +50,5 @@ def start_evaluation(config, ckpt_dir: str, step: int | None, workdir: str, *,
   """
   spec = run_config.validate_for_script(config)
   task, model, params, step = task_lib.load_policy(spec, ckpt_dir, step, workdir,
-                                                   spec.build_mesh() if mesh else None)
+                                                   spec.build_mesh())
   return spec.with_model(model), task, params, step

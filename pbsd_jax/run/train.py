@@ -185,7 +185,7 @@ def sft_stage(spec: RunSpec, task: Task, workdir: str, log: MetricLog, mesh: Mes
         workdir_lib.check_claimed(workdir)
         log.write("sft", step + 1, metrics)
         ckpt.save(state, {"stage": "sft", "step": step + 1}, force=step + 1 == steps)
-        _log_validation(spec, task, state.params, log, step + 1, "sft")
+        _log_validation(spec, task, state.params, log, mesh, step + 1, "sft")
         if guard.save_if_requested(ckpt, state, {"stage": "sft", "step": step + 1}):
           raise SystemExit("preempted: saved the SFT state")
   return state
@@ -367,14 +367,16 @@ def rl_step_fn(agent: Agent, model: ModelConfig, tx: optax.GradientTransformatio
 def save_rollout(path: str, rollout: Rollout) -> None:
   """Writes a rollout's arrays (`Rollout` fields and its `mask`) to an `.npz` file: exactly
   the tokens the update trained on, with `action_mask` marking the trained-on ones. The file
-  appears whole or not at all (`storage.replaced`)."""
+  appears whole or not at all (`storage.replaced`). With several processes, each holding its
+  rows, the rows are gathered (every process calls this) and process 0 writes them all."""
   fields = {f: getattr(rollout, f) for f in ("tokens", "action_mask", "turn_ids", "num_turns",
                                              "length", "prompt_length", "finished",
                                              "truncated", "group_ids", "sample_logp", "reward",
                                              "searches", "search_failures")}
-  with storage.replaced(path, "wb") as f:
-    np.savez(f, mask=np.asarray(rollout.mask), prompt_width=rollout.prompt_width,
-             **{k: np.asarray(v) for k, v in fields.items()})
+  arrays = sharding.host_rows({"mask": rollout.mask, **fields})
+  if jax.process_index() == 0:
+    with storage.replaced(path, "wb") as f:
+      np.savez(f, prompt_width=rollout.prompt_width, **arrays)
 
 
 def retrieval_metrics(before: dict, after: dict) -> dict:
@@ -414,10 +416,13 @@ def rl_inputs(task: Task, spec: RunSpec, step: int, mesh: Mesh
 
 
 def validation_accuracy(spec: RunSpec, task: Task, params: Any,
-                        progress: Callable = lambda it, **kw: it, credit: bool = False) -> dict:
+                        progress: Callable = lambda it, **kw: it, credit: bool = False,
+                        mesh: Mesh | None = None) -> dict:
   """Greedy decoding on the first `spec.eval.num_examples` `rl_validation` questions:
   `evaluate.evaluate`'s statistics (the task's retrieval, the seed's key); with `credit` and
-  an algorithm that computes turn evidence, its `credit` statistics too."""
+  an algorithm that computes turn evidence, its `credit` statistics too. With the `mesh`
+  `params` live on, the rows are sharded over its data axes (`evaluate.evaluate`): every
+  process of a run calls this and gets the same statistics."""
   from pbsd_jax.eval import evaluate
   records = task.splits["rl_validation"][:spec.eval.num_examples]
   return evaluate.evaluate(
@@ -426,17 +431,17 @@ def validation_accuracy(spec: RunSpec, task: Task, params: Any,
       prompt_width=spec.data.prompt_width, gold_width=spec.data.gold_width,
       template=spec.data.template, progress=progress,
       credit_algo=spec.algorithm if credit else None,
-      teacher_template=spec.data.teacher_template)
+      teacher_template=spec.data.teacher_template, mesh=mesh)
 
 
-def _log_validation(spec: RunSpec, task: Task, params: Any, log: MetricLog, step: int,
-                    stage: str = "rl") -> None:
+def _log_validation(spec: RunSpec, task: Task, params: Any, log: MetricLog, mesh: Mesh,
+                    step: int, stage: str = "rl") -> None:
   """With `spec.eval.every` (RL) or `spec.eval.sft_every` (SFT), the validation row of
   `stage`'s step `step` (0: the start), logged as stage `eval` (RL) or `eval_sft`."""
   every, steps = ((spec.eval.every, spec.rl.steps) if stage == "rl"
                   else (spec.eval.sft_every, spec.sft.steps))
   if every and (step % every == 0 or step == steps):
-    result = validation_accuracy(spec, task, params)
+    result = validation_accuracy(spec, task, params, mesh=mesh)
     log.write("eval" if stage == "rl" else "eval_sft", step,
               {k: result[k] for k in ("accuracy", "mean_turns", "mean_action_tokens")})
 
@@ -462,7 +467,7 @@ def rl_stage(spec: RunSpec, task: Task, params: Any, workdir: str, log: MetricLo
     state = _resume(ckpt, state, log, "rl", force_resume)
     log.drop_after("eval", int(state.step))
     if int(state.step) == 0:
-      _log_validation(spec, task, state.params, log, 0)
+      _log_validation(spec, task, state.params, log, mesh, 0)
     bar = progress(range(int(state.step), steps), desc=algo.name,
                    initial=int(state.step), total=steps)
     faults, skipped_in_a_row = {}, 0
@@ -477,7 +482,7 @@ def rl_stage(spec: RunSpec, task: Task, params: Any, workdir: str, log: MetricLo
       log.write("rl", step + 1, metrics)
       if rl.save_rollouts and (step + 1) % rl.save_rollouts == 0:
         save_rollout(os.path.join(workdir, "rollouts", f"rl_{step + 1}.npz"), rollout)
-      _log_validation(spec, task, state.params, log, step + 1)
+      _log_validation(spec, task, state.params, log, mesh, step + 1)
       _show_faults(bar, faults, metrics)
       if on_step is not None:
         on_step(step + 1, state, rollout, batch)
