@@ -21,6 +21,16 @@ import json  # noqa: E402
 import pytest  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def _own_wandb_service():
+  """A W&B run started in this worker leaves its service's address in `WANDB_SERVICE`, and a
+  script the worker starts then would run its W&B run in this worker's service: one it kills
+  would stay there, unflushed and "in use". Each process keeps its own."""
+  os.environ.pop("WANDB_SERVICE", None)
+  yield
+  os.environ.pop("WANDB_SERVICE", None)
+
+
 @dataclasses.dataclass
 class KnowledgeGraph:
   """The embedded task, generated once per test session: paths, vocabulary, retriever."""

@@ -5,7 +5,10 @@ that had metrics before W&B was on. test_fault_injection checks it through a kil
 import glob
 import json
 import os
+import signal
 import struct
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -18,9 +21,7 @@ OFFLINE = WandbSpec(project="pbsd-tests", mode="offline")
 def wandb_records(workdir):
   """`(run ids, config, history rows)` of the offline W&B run of `workdir`: each `run` record
   (one per segment: the first and each resume) and the rows without W&B's own keys."""
-  with open(os.path.join(workdir, "wandb_run.json")) as f:
-    run_id = json.load(f)["id"]
-  ids, config = [], {}
+  run_id, ids, config = _run_id(workdir), [], {}
   for path in sorted(glob.glob(os.path.join(workdir, "wandb", "offline-run-*", "*.wandb"))):
     with open(path, "rb") as f:
       data = f.read()
@@ -66,6 +67,11 @@ def by_step(history):
   return out
 
 
+def _run_id(workdir):
+  with open(os.path.join(workdir, "wandb_run.json")) as f:
+    return json.load(f)["id"]
+
+
 def _rows(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return [json.loads(line) for line in f]
@@ -104,6 +110,26 @@ def test_turning_wandb_on_for_a_workdir_with_metrics_sends_those_first(tmp_path)
   log.close()
   assert wandb_records(workdir)[2] == as_logged(_rows(workdir))  # in the order written
   assert not os.path.exists(os.path.join(workdir, "wandb_run.json.tmp"))
+
+
+def test_a_resumed_run_with_nothing_left_to_write_sends_what_a_killed_one_did_not(tmp_path):
+  # The killed process logged every row, but W&B had flushed none of them.
+  killed = subprocess.run([sys.executable, "-c", f"""
+import os, signal
+from pbsd_jax.eval.metric_log import MetricLog, WandbSpec
+log = MetricLog({str(tmp_path)!r}, WandbSpec(project="pbsd-tests", mode="offline"), {{}})
+for step in (1, 2, 3):
+  log.write("sft", step, {{"loss": 1.0 / step}})
+os.kill(os.getpid(), signal.SIGKILL)
+"""])
+  assert killed.returncode == -signal.SIGKILL
+  assert offline_history(str(tmp_path), _run_id(tmp_path)) == []
+  log = MetricLog(str(tmp_path), OFFLINE, {})
+  log.drop_after("sft", 3)  # resumed from the last checkpoint: no step is left to run
+  log.close()
+  ids, _, history = wandb_records(str(tmp_path))
+  assert set(ids) == {_run_id(tmp_path)}
+  assert history == as_logged(_rows(str(tmp_path))) and len(history) == 3
 
 
 def test_a_run_without_wandb_makes_no_wandb_files(tmp_path):

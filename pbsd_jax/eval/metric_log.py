@@ -109,9 +109,12 @@ class MetricLog:
     return stage_rows(self.path, stage)
 
   def close(self):
-    """Finishes the W&B run (the files are closed after each write)."""
+    """Sends W&B the rows it lacks and finishes its run (the files are closed after each
+    write): a resumed run that had nothing left to train writes no row, but the process it
+    resumed may have been killed before W&B flushed its last rows."""
     if self._wandb is not None:
-      self._wandb.run.finish()
+      self._wandb.catch_up(self.path, self._lines)
+      self._wandb.finish()
       self._wandb = None
 
   def write(self, stage: str, step: int, metrics: dict):
@@ -171,9 +174,9 @@ class _WandbRun:
       run_id = secrets.token_hex(6)
       with storage.replaced(state) as f:
         json.dump({"id": run_id}, f)
+    self._workdir, self._id, self._offline = workdir, run_id, spec.mode == "offline"
     # An offline run starts its step at 0 on every resume; its earlier logs hold the lines.
-    held = (1 + max((row["_step"] for row in offline_history(workdir, run_id)), default=-1)
-            if spec.mode == "offline" else None)
+    held = self._offline_lines() if self._offline else None
     self.run = wandb.init(project=spec.project, entity=spec.entity or None,
                           name=spec.name or os.path.basename(os.path.abspath(workdir)),
                           id=run_id, resume="allow", mode=spec.mode, dir=workdir,
@@ -183,11 +186,28 @@ class _WandbRun:
 
   def send(self, line: int, row: dict, path: str):
     """Sends metrics.jsonl's `line` (`row`), after the lines before it that W&B lacks."""
-    if line > self.next:
-      for i, earlier in enumerate(_whole_rows(path)[self.next:line], self.next):
-        self._log(i, earlier)
+    self.catch_up(path, line)
     if line >= self.next:
       self._log(line, row)
+
+  def finish(self):
+    """Finishes the run; an offline run once its transaction log holds every line sent (W&B's
+    `finish` returns before its service has written them, and a run resumed at once in the
+    same process would read too few)."""
+    self.run.finish()
+    deadline = time.monotonic() + 60
+    while self._offline and self._offline_lines() < self.next and time.monotonic() < deadline:
+      time.sleep(0.05)
+
+  def _offline_lines(self) -> int:
+    return 1 + max((row["_step"] for row in offline_history(self._workdir, self._id)),
+                   default=-1)
+
+  def catch_up(self, path: str, lines: int):
+    """Sends the lines of metrics.jsonl (at `path`) before `lines` that W&B lacks."""
+    if lines > self.next:
+      for i, row in enumerate(_whole_rows(path)[self.next:lines], self.next):
+        self._log(i, row)
 
   def _log(self, line: int, row: dict):
     stage = row["stage"]
