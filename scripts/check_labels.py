@@ -44,8 +44,8 @@ def main(argv):
   ckpt_dir = os.path.abspath(_CKPT_DIR.value)
   workdir = _WORKDIR.value or os.path.dirname(ckpt_dir)
   try:
-    spec, task, params, step = start.start_evaluation(_CONFIG.value, ckpt_dir, _STEP.value,
-                                                      workdir)
+    loaded = start.start_evaluation(_CONFIG.value, ckpt_dir, _STEP.value, workdir)
+    spec, task, params, step = loaded.spec, loaded.task, loaded.params, loaded.step
     records = task.records(_SPLIT.value)[:_QUESTIONS.value]
     if not all("chain" in r for r in records):
       raise ValueError(f"{_SPLIT.value}: the Monte Carlo check needs questions with gold "

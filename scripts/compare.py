@@ -133,7 +133,7 @@ def main(argv):
     splits["ood"] = pool
   elif pool:
     splits["ood"] = ood_tiers(os.path.join(workdir, "ood_tiers.jsonl"), pool, spec, task,
-                              sft.params)
+                              sft.params, mesh)
 
   def final_eval(run_dir, settings: run_config.RunSpec, params):
     path = os.path.join(run_dir, "final_eval.json")
@@ -150,7 +150,7 @@ def main(argv):
         template=settings.data.template, samples_per_question=_SAMPLES.value,
         pass_k=tuple(k for k in settings.eval.pass_k if k <= _SAMPLES.value),
         credit_algo=settings.algorithm, teacher_template=settings.data.teacher_template,
-        progress=lambda it, **kw: tqdm.tqdm(it, leave=False, **kw))
+        progress=lambda it, **kw: tqdm.tqdm(it, leave=False, **kw), mesh=mesh)
         for i, (name, records) in enumerate(splits.items()) if name not in result}
     _write_json(path, result)
     return result
@@ -179,9 +179,9 @@ def main(argv):
   print(f"compare: wrote {page}")
 
 
-def ood_tiers(path, pool, spec, task, params):
-  """The stratified OOD tiers of `pool` under the SFT `params` (module docstring), made once
-  and read back from `path` after."""
+def ood_tiers(path, pool, spec, task, params, mesh):
+  """The stratified OOD tiers of `pool` under the SFT `params` (on `mesh`, module docstring),
+  made once and read back from `path` after."""
   import tqdm
 
   from pbsd_jax.data import jsonl
@@ -196,7 +196,7 @@ def ood_tiers(path, pool, spec, task, params):
         task.agent(sampler), params, pool, num_samples=_OOD_SAMPLES.value,
         per_tier=_OOD_PER_TIER.value, seed=0, batch_size=_BATCH_SIZE.value,
         prompt_width=spec.data.prompt_width, gold_width=spec.data.gold_width,
-        template=spec.data.template,
+        template=spec.data.template, mesh=mesh,
         progress=lambda it, **kw: tqdm.tqdm(it, leave=False, **kw))
   except ValueError as err:
     raise SystemExit(f"compare: --ood_pool: {err}") from None

@@ -45,7 +45,8 @@ def main(argv):
   log = MetricLog(workdir, spec.wandb, spec.settings)
 
   def validation_accuracy(params, name, out_dir, settings=spec):
-    result = train.validation_accuracy(settings, task, params, progress=tqdm.tqdm, credit=True)
+    result = train.validation_accuracy(settings, task, params, progress=tqdm.tqdm, credit=True,
+                                       mesh=mesh)
     with storage.replaced(os.path.join(out_dir, f"eval_{name}.json")) as f:
       json.dump(result, f, indent=1, default=float)
     credit = result.get("credit")

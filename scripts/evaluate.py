@@ -55,7 +55,6 @@ def main(argv):
   del argv
   cli.initialize_distributed(_DISTRIBUTED)  # before anything touches a device
   import jax
-  import tqdm
 
   from pbsd_jax.eval import evaluate
   from pbsd_jax.run import start
@@ -67,8 +66,8 @@ def main(argv):
   if _DATA_DIR.value:
     config.data.dir = _DATA_DIR.value
   try:
-    spec, task, params, step = start.start_evaluation(config, ckpt_dir, _STEP.value, workdir)
-    mesh = spec.build_mesh()
+    loaded = start.start_evaluation(config, ckpt_dir, _STEP.value, workdir)
+    spec, task, params, step = loaded.spec, loaded.task, loaded.params, loaded.step
     num_examples = (spec.eval.num_examples if _NUM_EXAMPLES.value is None
                     else _NUM_EXAMPLES.value)
     splits = {name: evaluate.head_per_tier(task.records(name), num_examples)
@@ -82,7 +81,6 @@ def main(argv):
              "temperature": sampling.temperature, "top_p": sampling.top_p, "splits": {}}
   rng = jax.random.key(_SEED.value)
   first = jax.process_index() == 0
-  bar = (lambda it, **kw: tqdm.tqdm(it, leave=False, **kw)) if first else (lambda it, **kw: it)
   say = print if first else (lambda *a: None)
   for i, (name, records) in enumerate(splits.items()):
     got = evaluate.evaluate_policy(
@@ -90,8 +88,8 @@ def main(argv):
         rng=jax.random.fold_in(rng, i), prompt_width=spec.data.prompt_width,
         gold_width=spec.data.gold_width, template=spec.data.template,
         samples_per_question=samples, pass_k=spec.eval.pass_k,
-        progress=bar, credit_algo=spec.algorithm, teacher_template=spec.data.teacher_template,
-        mesh=mesh)
+        progress=cli.progress_bar(leave=False), credit_algo=spec.algorithm,
+        teacher_template=spec.data.teacher_template, mesh=loaded.mesh)
     results["splits"][name] = got
     say(f"\n{name} ({len(records)} questions), {os.path.basename(ckpt_dir)}"
         f"{'' if step is None else f' step {step}'}")

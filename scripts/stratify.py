@@ -48,9 +48,7 @@ def main(argv):
   del argv
   cli.initialize_distributed(_DISTRIBUTED)  # before anything touches a device
   import jax
-  import tqdm
 
-  from pbsd_jax import protocol
   from pbsd_jax.data import jsonl
   from pbsd_jax.eval import evaluate
   from pbsd_jax.run import start
@@ -64,24 +62,22 @@ def main(argv):
   if _SAMPLES.value < 1 or _PER_TIER.value < 1:
     raise app.UsageError("--samples and --per_tier must be >= 1")
   try:
-    spec, task, params, step = start.start_evaluation(config, ckpt_dir, _STEP.value, workdir)
-    mesh = spec.build_mesh()
+    loaded = start.start_evaluation(config, ckpt_dir, _STEP.value, workdir)
+    spec, task, step = loaded.spec, loaded.task, loaded.step
     records = task.records(_SPLIT.value)
   except (FileNotFoundError, ValueError) as err:
     raise SystemExit(f"stratify: {err}") from None
 
-  first = jax.process_index() == 0
   try:
     rows, summary = evaluate.stratified_subset(
-        task.agent(spec.sampler(_SAMPLING.value)), params, records,
+        task.agent(spec.sampler(_SAMPLING.value)), loaded.params, records,
         num_samples=_SAMPLES.value, per_tier=_PER_TIER.value, seed=_SEED.value,
         batch_size=_BATCH_SIZE.value, prompt_width=spec.data.prompt_width,
         gold_width=spec.data.gold_width, template=spec.data.template,
-        progress=(lambda it, **kw: tqdm.tqdm(it, leave=False, **kw)) if first
-        else (lambda it, **kw: it), mesh=mesh)
+        progress=cli.progress_bar(leave=False), mesh=loaded.mesh)
   except ValueError as err:
     raise SystemExit(f"stratify: {_SPLIT.value}: {err}") from None
-  if not first:
+  if jax.process_index() != 0:
     return
   out = _OUT.value or os.path.join(
       workdir, f"stratified_{os.path.splitext(os.path.basename(_SPLIT.value))[0]}.jsonl")

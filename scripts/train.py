@@ -24,9 +24,6 @@ _FORCE_RESUME = flags.DEFINE_bool(
 def main(argv):
   del argv
   cli.initialize_distributed(_DISTRIBUTED)  # before anything touches a device
-  import jax
-  import tqdm
-
   from pbsd_jax.eval.metric_log import MetricLog
   from pbsd_jax.run import start, train
 
@@ -34,7 +31,7 @@ def main(argv):
   config, workdir, force = _CONFIG.value, _WORKDIR.value, _FORCE_RESUME.value
   run = start.start_run(config, workdir, force_resume=force)
   log = MetricLog(workdir, run.spec.wandb, run.spec.settings)
-  progress = tqdm.tqdm if jax.process_index() == 0 else (lambda it, **kw: it)
+  progress = cli.progress_bar()
   state = train.sft_stage(run.spec, run.task, workdir, log, run.mesh, progress=progress,
                           force_resume=force)
   train.rl_stage(run.spec, run.task, state.params, workdir, log, run.mesh, progress=progress,

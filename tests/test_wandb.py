@@ -11,7 +11,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 
 from pbsd_jax.eval.metric_log import MetricLog, WandbSpec, offline_history
 

@@ -6,8 +6,9 @@ The synthetic generator knows each question's gold chain `(e_0, ..., e_h)`; the 
 (`turn_labels`) from the documents each search showed (all of `top_k` that the observation
 had room for): a search that showed a chain document not shown earlier in the episode is
 USEFUL; one that showed new documents, none on the chain (a confusable neighbour, a sloppy
-query), is OFF_CHAIN; one that showed nothing new is REPEAT; an invalid action is INVALID. Answer and EOS turns, failed retrievals, absent turns and rows without a
-known chain are UNLABELLED.
+query), is OFF_CHAIN; one that showed nothing new is REPEAT; an invalid action is INVALID.
+Answer and EOS turns, failed retrievals, absent turns and rows without a known chain are
+UNLABELLED.
 
 Those labels break at long horizons (a corrective search after a lucky sloppy one is a
 "repeat", answers go unlabelled, every search after a wrong commitment is "off-chain"), so

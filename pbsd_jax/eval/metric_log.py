@@ -44,29 +44,26 @@ def stage_rows(path: str, stage: str) -> list[dict]:
   return [row for _, row in iter_jsonl(path) if row.get("stage") == stage]
 
 
+def _row(line: str) -> dict | None:
+  """A metrics line's row; None for the partial line a killed write can leave."""
+  try:
+    return json.loads(line)
+  except json.JSONDecodeError:
+    return None
+
+
 def _whole_rows(path: str) -> list[dict]:
-  """Every row of a metrics file that parses (not the partial line a killed write can
-  leave); none where the file does not exist yet."""
+  """Every whole row of a metrics file; none where the file does not exist yet."""
   if not os.path.exists(path):
     return []
-  rows = []
   with open(path) as f:
-    for line in f:
-      try:
-        rows.append(json.loads(line))
-      except json.JSONDecodeError:
-        continue
-  return rows
+    return [row for row in map(_row, f) if row is not None]
 
 
 def _kept(line: str, stage: str, step: int) -> bool:
-  """Whether a metrics line stays: a row (not the partial line a killed write can leave)
-  that is not of `stage` after `step`."""
-  try:
-    row = json.loads(line)
-  except json.JSONDecodeError:
-    return False
-  return not (row["stage"] == stage and row["step"] > step)
+  """Whether a metrics line stays: a whole row that is not of `stage` after `step`."""
+  row = _row(line)
+  return row is not None and not (row["stage"] == stage and row["step"] > step)
 
 
 class MetricLog:

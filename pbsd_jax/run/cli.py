@@ -84,6 +84,16 @@ def initialize_distributed(holders: dict) -> None:
   jax.distributed.initialize(**given)
 
 
+def progress_bar(leave: bool = True) -> Callable:
+  """`tqdm.tqdm` (bars left on screen when done, or not) on the first process, and no bar on
+  the others, whose bars would repeat it."""
+  import jax
+  import tqdm
+  if jax.process_index() != 0:
+    return lambda it, **kw: it
+  return lambda it, **kw: tqdm.tqdm(it, leave=leave, **kw)
+
+
 def field_paths(config, prefix: str = "config") -> list[str]:
   """Every leaf field of a ConfigDict as `config.<section>.<field>`."""
   paths = []

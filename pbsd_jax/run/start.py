@@ -38,17 +38,24 @@ def start_run(config, workdir: str, *, force_resume: bool = False) -> Started:
   return Started(spec, task, mesh)
 
 
-def start_evaluation(config, ckpt_dir: str, step: int | None, workdir: str
-                     ) -> tuple[run_config.RunSpec, task_lib.Task, Any, int | None]:
+@dataclasses.dataclass(frozen=True)
+class Loaded(Started):
+  """A checkpoint's policy ready for evaluation: `Started`'s fields (the spec's model the
+  checkpoint's), its parameters on the mesh and their step (None: a converted checkpoint)."""
+
+  params: Any
+  step: int | None
+
+
+def start_evaluation(config, ckpt_dir: str, step: int | None, workdir: str) -> Loaded:
   """What the evaluation scripts do first: validate `config` (a bad one ends the script with
   one line), prepare the task and read the policy of `ckpt_dir` (`task.load_policy`; the
-  latest step unless `step`), onto the run's mesh (`spec.build_mesh()`). Returns
-  `(spec, task, params, step)`, the spec's model the checkpoint's.
+  latest step unless `step`), onto the run's mesh (`spec.build_mesh()`).
 
   Raises:
     FileNotFoundError, ValueError: no such checkpoint, or data that cannot be used.
   """
   spec = run_config.validate_for_script(config)
-  task, model, params, step = task_lib.load_policy(spec, ckpt_dir, step, workdir,
-                                                   spec.build_mesh())
-  return spec.with_model(model), task, params, step
+  mesh = spec.build_mesh()
+  task, model, params, step = task_lib.load_policy(spec, ckpt_dir, step, workdir, mesh)
+  return Loaded(spec.with_model(model), task, mesh, params, step)

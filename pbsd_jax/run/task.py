@@ -364,7 +364,6 @@ def load_policy(spec: RunSpec, ckpt_dir: str, step: int | None, workdir: str,
   `model_config.json` when there is one, else the spec's. With a `mesh`, the params are
   read straight into their shardings on it (after `run_config.check_param_sharding`).
   """
-  from pbsd_jax.parallel import sharding
   policy_checkpoint.params_path(ckpt_dir, step)
   task = prepare_task(spec, workdir)
   model = (policy_checkpoint.find_model_config(ckpt_dir)
