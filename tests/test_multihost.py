@@ -50,10 +50,11 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def _pair(kg, workdir, port, *extra):
-  """Two processes of one run, 4 fake CPU devices each, the 2x2x2 mesh over all 8."""
+def _pair(kg, workdir, port, *extra, evaluate=True):
+  """Two processes of one run, 4 fake CPU devices each, the 2x2x2 mesh over all 8; with
+  `evaluate`, the run evaluates as it trains and saves its rollouts (`EVAL`)."""
   data_dir = os.path.dirname(kg.paths["spm_model"])
-  return [_train(workdir, data_dir, *OPSD, *MESH, *EVAL,
+  return [_train(workdir, data_dir, *OPSD, *MESH, *(EVAL if evaluate else ()),
                  *_processes(port, i), *extra, wait=False, devices=4) for i in range(2)]
 
 
@@ -203,8 +204,10 @@ def test_evaluate_on_two_processes_writes_once_what_one_process_computes(kg, eig
 
 def test_a_killed_process_of_two_resumes_with_its_peer(kg, two_processes, tmp_path,
                                                       record_property):
+  # From the pair's SFT checkpoint, without evaluation (neither changes the RL steps).
   workdir = str(tmp_path)
-  procs = _pair(kg, workdir, _free_port())
+  shutil.copytree(os.path.join(two_processes, "ckpt_sft"), os.path.join(workdir, "ckpt_sft"))
+  procs = _pair(kg, workdir, _free_port(), evaluate=False)
   marker = os.path.join(workdir, "ckpt_rl", "1")
   deadline = time.time() + 300
   while not os.path.exists(marker) and all(p.poll() is None for p in procs) \
@@ -217,12 +220,14 @@ def test_a_killed_process_of_two_resumes_with_its_peer(kg, two_processes, tmp_pa
   codes, _ = _wait(procs, timeout=60)
   assert codes == [-signal.SIGKILL, -signal.SIGKILL], "the run ended before it was killed"
   assert not os.path.exists(os.path.join(workdir, "ckpt_rl", "3"))
-  codes, outs = _wait(_pair(kg, workdir, _free_port()))
+  codes, outs = _wait(_pair(kg, workdir, _free_port(), evaluate=False))
   assert codes == [0, 0], outs[0][-2000:] + outs[1][-2000:]
   got, want = _checkpoint(workdir), _checkpoint(two_processes)
   for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(x, y)
-  assert _metrics(workdir) == _metrics(two_processes)
+  rl = lambda rows: [r for r in rows if r["stage"] == "rl"]
+  assert rl(_metrics(workdir)) == rl(_metrics(two_processes))
+  assert {r["stage"] for r in _metrics(workdir)} == {"rl"}
   record_property("faults_injected", 1)
   record_property("runs_resumed", 1)
   record_property("bytes_compared", sum(np.asarray(x).nbytes for x in jax.tree.leaves(want)))

@@ -16,10 +16,12 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 
+import numpy as np
 import pytest
 
-from test_train import ROOT
+from test_train import ROOT, _metrics
 
 # 30 SFT steps at a high learning rate (the micro model then searches), one RL step;
 # validation on 4 questions at RL steps 0 and 1.
@@ -59,7 +61,7 @@ def _script(name, *args, devices=1):
 @pytest.fixture(scope="module")
 def runs(kg, tmp_path_factory):
   """Each retriever's train, evaluate and stratify outputs: `{name: (metrics rows,
-  evaluate.py's result, stratify.py's tier sizes)}`."""
+  evaluate.py's result, stratify.py's tier sizes, workdir)}`."""
   from pbsd_jax.agent.env.http import RetrievalServer
   from pbsd_jax.data import jsonl
 
@@ -100,7 +102,7 @@ def runs(kg, tmp_path_factory):
                           "--samples=2", "--per_tier=1", f"--out={base / name}.jsonl")
       tiers = re.findall(r"tier(?:s| sizes) (\{[^}]*\})", out)
       assert tiers, f"{name}: {out[-3000:]}"
-      results[name] = rows, evaluation, ast.literal_eval(tiers[-1])
+      results[name] = rows, evaluation, ast.literal_eval(tiers[-1]), workdir
   return results
 
 
@@ -110,7 +112,7 @@ def _rl_row(rows):
 
 
 def test_every_retriever_trains_on_a_mesh_with_validation(runs):
-  for name, (rows, _, _) in runs.items():
+  for name, (rows, *_) in runs.items():
     assert [r["step"] for r in rows if r["stage"] == "eval"] == [0, 1], name
     row = _rl_row(rows)
     assert row["searches"] > 0, name  # the episodes searched
@@ -120,11 +122,11 @@ def test_every_retriever_trains_on_a_mesh_with_validation(runs):
 
 
 def test_retrievers_over_the_same_index_sample_the_same_episodes(runs):
-  want_rows, want_eval, want_tiers = runs["ingraph_dense"]
+  want_rows, want_eval, want_tiers, _ = runs["ingraph_dense"]
   want = _rl_row(want_rows)
   assert want["mean_action_tokens"] > 0
   for name in SAME_INDEX[1:]:
-    rows, evaluation, tiers = runs[name]
+    rows, evaluation, tiers, _ = runs[name]
     got = _rl_row(rows)
     for key in ("mean_turns", "mean_action_tokens", "searches", "reward_mean"):
       assert got[key] == want[key], (name, key)
@@ -138,10 +140,88 @@ def test_retrievers_over_the_same_index_sample_the_same_episodes(runs):
 
 
 def test_every_retriever_evaluates_and_stratifies_on_one_device(runs):
-  for name, (_, evaluation, tiers) in runs.items():
+  for name, (_, evaluation, tiers, _) in runs.items():
     assert evaluation["top_p"]["num_questions"] == QUESTIONS, name
     assert evaluation["top_p"]["samples_per_question"] == 2, name
     assert evaluation["greedy"]["mean_turns"] >= 1, name
     # Every question is in one tier, whether stratify could draw per_tier of each (it then
     # writes the subset) or says in one line which tiers are short.
     assert sorted(tiers) == ["easy", "hard", "medium"] and sum(tiers.values()) == QUESTIONS
+
+
+class _FirstAttemptsFail:
+  """`retriever` behind a request log whose every search request's first attempt fails (the
+  server answers 500, the client retries; the scripts' start-up probe, never retried, is
+  answered): `queries[i]` is request i's, logged at that attempt."""
+
+  def __init__(self, retriever):
+    self.retriever, self.queries, self._failed = retriever, [], set()
+    self._lock = threading.Lock()
+
+  def retrieve(self, queries, k):
+    if list(queries) == ["probe"]:
+      return self.retriever.retrieve(queries, k)
+    with self._lock:
+      retry = tuple(queries) in self._failed
+      if retry:
+        self._failed.remove(tuple(queries))
+      else:
+        self._failed.add(tuple(queries))
+        self.queries.append(list(queries))
+    if not retry:
+      raise RuntimeError("the first attempt fails")
+    return self.retriever.retrieve(queries, k)
+
+
+def _turn_queries(kg, rollout, rows):
+  """`{turn: sorted queries}` of the searches of rollout rows `rows`, as the server reads
+  them (whitespace aside)."""
+  from pbsd_jax.agent.env import actions
+  out = {}
+  for b in rows:
+    for k in range(int(rollout["num_turns"][b])):
+      action = actions.parse_action(kg.decode(rollout["tokens"][b][rollout["turn_ids"][b] == k]))
+      if action.kind == actions.SEARCH:
+        out.setdefault(k, []).append(" ".join(action.content.split()))
+  return {k: sorted(v) for k, v in out.items()}
+
+
+def test_two_processes_each_search_their_own_rows_over_http(kg, runs, tmp_path):
+  """The HTTP retriever across 2 processes x 4 devices: the same episodes, evaluation and
+  (within the multi-host tolerance) parameters as the 1-process run; each process asks the
+  server for its own rows only, one request a turn; faults of either process are counted."""
+  from pbsd_jax.agent.env.http import RetrievalServer
+  from test_multihost import MESH, _assert_close_runs, _free_port, _processes, _wait
+  data_dir = os.path.dirname(kg.paths["spm_model"])
+  workdir, one = str(tmp_path / "http_2x4"), runs["http"][3]
+  shutil.copytree(os.path.join(one, "ckpt_sft"), os.path.join(workdir, "ckpt_sft"))
+  logged = _FirstAttemptsFail(kg.retriever)
+  with RetrievalServer(logged) as server:
+    port = _free_port()
+    config = [f"--config={os.path.join(ROOT, 'configs', 'grpo.py')}",
+              f"--config.data.dir={data_dir}", *SMALL, "--config.env.retriever=http",
+              f"--config.env.url={server.url}", f"--workdir={workdir}", "--force_resume",
+              "--config.rl.save_rollouts=1", *MESH]
+    procs = [subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "scripts", "train.py"), *config,
+         *_processes(port, i)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "JAX_PLATFORMS": "cpu",
+             "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}) for i in range(2)]
+    codes, outs = _wait(procs)
+  assert codes == [0, 0], outs[0][-2000:] + outs[1][-2000:]
+  _assert_close_runs(workdir, one)  # the RL and evaluation rows' samples, the parameters
+  got = _rl_row(_metrics(workdir))
+  assert got["searches"] > 0 and got["reward_mean"] == _rl_row(runs["http"][0])["reward_mean"]
+  # Each process's requests: its own rows' queries (rows 0-1, 2-3), one request a turn.
+  with np.load(os.path.join(workdir, "rollouts", "rl_1.npz")) as f:
+    rollout = dict(f)
+  requests = [sorted(" ".join(q.split()) for q in r) for r in logged.queries]
+  assert max(len(r) for r in requests) <= 2  # never a row of the other process
+  blocks = [_turn_queries(kg, rollout, rows) for rows in ((0, 1), (2, 3))]
+  for block in blocks:
+    for queries in block.values():
+      assert queries in requests
+  # Every request was retried once, and the step's counters hold both processes'.
+  rl_calls = sum(len(block) for block in blocks)
+  assert got["retrieval/calls"] == got["retrieval/retries"] == rl_calls
+  assert rl_calls > max(len(block) for block in blocks)  # both processes searched

@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import Mesh, NamedSharding
 
 from pbsd_jax.agent import gold_chain
 from pbsd_jax.agent.env import actions, observations, rewards
@@ -41,6 +42,7 @@ from pbsd_jax.agent.env.retriever import DeviceIndex, Document, RetrievalError, 
 from pbsd_jax.agent.env.token_text import TokenText, answer_match, classify_bytes, turn_bytes
 from pbsd_jax.agent.tokenizer import Tokenizer
 from pbsd_jax.generate.sampling import DecodeState, STOP_BUFFER_FULL, Sampler
+from pbsd_jax.parallel import sharding
 
 Array = jax.Array
 
@@ -405,6 +407,35 @@ def _pad_docs(docs: list[list[list[int]]], k: int, width: int) -> tuple[np.ndarr
   return tokens, lengths
 
 
+@dataclasses.dataclass(frozen=True)
+class _OwnRows:
+  """The rows of a batch that this process's host turn loop serves: of host arrays, all of
+  them; of global arrays whose rows are split over the processes (`sharding.batch_sharding`,
+  a multi-process run), its own block (`sharding.process_batch_rows`), read from its own
+  shards, of which it builds its part of each array it gives the programs."""
+
+  rows: slice
+  mesh: Mesh | None
+
+  @classmethod
+  def of(cls, prompts: Array) -> _OwnRows:
+    layout = getattr(prompts, "sharding", None)
+    if isinstance(layout, NamedSharding):
+      return cls(sharding.process_batch_rows(prompts.shape[0], layout.mesh), layout.mesh)
+    return cls(slice(0, prompts.shape[0]), None)
+
+  def read(self, tree: Any) -> Any:
+    """This process's rows of each array of `tree`, as numpy."""
+    if self.mesh is None:
+      return jax.tree.map(np.asarray, tree)
+    return sharding.process_local_rows(tree, self.mesh)
+
+  def put(self, tree: Any, size: int) -> Any:
+    """The batch of `size` rows whose rows here are `tree`'s (host arrays)."""
+    return tree if self.mesh is None else sharding.shard_process_local_batch(tree, self.mesh,
+                                                                             size)
+
+
 def host_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array, prompt_mask: Array,
                  rng: Array, retriever: Retriever, tokenizer: Tokenizer,
                  golden_answers: Sequence[Sequence[str]], group_ids: Array | None = None,
@@ -421,9 +452,15 @@ def host_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array, prompt
   tokens. A search's documents are recorded (`Rollout.turn_doc`) where their ids are numbers.
   Arguments as in `ingraph_rollout`, plus the policy's `tokenizer` (its `text` is needed with
   text tags) and the gold answers as strings.
+
+  Given global arrays whose rows are split over processes (a multi-process run), every
+  process runs this loop: the programs stay global, and each process reads back its own
+  rows' actions, asks its retriever for their queries (one batched call a turn) and builds its
+  rows of each observation (`_OwnRows`); no process holds the whole batch.
   """
   text, encode, decode = tokenizer.text, tokenizer.encode, tokenizer.decode
   _check_text(env, text)
+  size, own = prompts.shape[0], _OwnRows.of(prompts)
   ep = _start(sampler, env, params, prompts, prompt_mask)
   # The most document tokens an observation shows.
   doc_limit = (env.max_observation_tokens - len(env.tag_tokens("info_open"))
@@ -434,7 +471,7 @@ def host_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array, prompt
     f = () if forced is None else (forced[turn], forced_length[turn])
     ep, kind, query = _act(sampler, env, params, ep, jax.random.fold_in(rng, turn),
                            jnp.int32(turn), *f, text=text)
-    kind_np, query_np = np.asarray(kind), np.asarray(query)
+    kind_np, query_np = own.read(kind), own.read(query)
     searching = np.flatnonzero(kind_np == KIND_SEARCH)
     docs: list[list[list[int]]] = [[] for _ in kind_np]
     failed = np.zeros(kind_np.shape, bool)
@@ -443,22 +480,20 @@ def host_rollout(sampler: Sampler, env: AgentEnv, params, prompts: Array, prompt
       ids = [[int(t) for t in query_np[i] if t >= 0] for i in searching]
       texts = [decode(q) for q in ids]
       if env.text_tags:
-        tokens, turn_ids = np.asarray(ep.decode.tokens), np.asarray(ep.turn_ids)
+        tokens, turn_ids = own.read(ep.decode.tokens), own.read(ep.turn_ids)
         texts = [_query_text(tokens[i][turn_ids[i] == turn], q, decode)
                  for i, q in zip(searching, texts)]
       got, top, fail = _host_retrieve(retriever, ids, texts, env.top_k, doc_limit, encode)
       for i, row, ids_i in zip(searching, got, top):
         docs[i], doc_ids[i], failed[i] = row, ids_i, fail
-    doc_tokens, doc_lengths = _pad_docs(docs, env.top_k, doc_limit)
-    ep = _observe(sampler, env, params, ep, kind, jnp.int32(turn), doc_tokens, doc_lengths,
-                  failed, doc_ids)
-  tokens = np.asarray(ep.decode.tokens)
-  turn_ids = np.asarray(ep.turn_ids)
+    ep = _observe(sampler, env, params, ep, kind, jnp.int32(turn),
+                  *own.put((*_pad_docs(docs, env.top_k, doc_limit), failed, doc_ids), size))
+  tokens, turn_ids, num_turns = own.read((ep.decode.tokens, ep.turn_ids, ep.num_turns))
   reward = np.zeros(tokens.shape[0], np.float32)
-  for b, golds in enumerate(golden_answers):
-    segments = [decode(tokens[b][turn_ids[b] == k]) for k in range(int(ep.num_turns[b]))]
+  for b, golds in enumerate(golden_answers[own.rows]):
+    segments = [decode(tokens[b][turn_ids[b] == k]) for k in range(num_turns[b])]
     reward[b] = rewards.trajectory_reward(segments, golds)
-  return _finish(ep, prompt_mask, _group_ids(prompts.shape[0], group_ids), jnp.asarray(reward))
+  return _finish(ep, prompt_mask, _group_ids(size, group_ids), jnp.asarray(own.put(reward, size)))
 
 
 

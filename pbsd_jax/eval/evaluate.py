@@ -222,7 +222,7 @@ def evaluate(agent: Agent, params: Any, records: Sequence[Mapping], *, batch_siz
                           gold_chains=chains)
   rows = np.repeat(np.arange(len(records)), samples_per_question)
   num_batches = -(-len(rows) // batch_size)
-  sharded = mesh is not None and agent.in_graph
+  sharded = mesh is not None
   shards = sharding.num_batch_shards(mesh) if sharded else 1
   width = -(-batch_size // shards) * shards
   keys = ("prompts", "prompt_mask", "gold", "gold_docs") + (

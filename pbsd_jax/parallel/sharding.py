@@ -18,6 +18,7 @@ notices when this replicates too much). A logical name missing from the rules is
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Sequence
 
@@ -270,6 +271,31 @@ def shard_host_batch(tree: Any, mesh: Mesh, rules=RULES) -> Any:
   rows = process_batch_rows(global_batch, mesh, rules)
   return shard_process_local_batch(jax.tree.map(lambda x: np.asarray(x)[rows], tree), mesh,
                                    global_batch, rules)
+
+
+def process_local_rows(tree: Any, mesh: Mesh, rules=RULES) -> Any:
+  """This process's rows (`process_batch_rows`) of each global array of `tree`, as numpy:
+  the inverse of `shard_process_local_batch`, read from the process's own shards (no
+  collective). An array whose rows are laid out otherwise is laid out as `batch_sharding`
+  first, a program every process runs."""
+  sharding = batch_sharding(mesh, rules)
+
+  def get(x):
+    if not x.sharding.is_equivalent_to(sharding, x.ndim):
+      x = _laid_out(x, sharding)
+    rows = process_batch_rows(x.shape[0], mesh, rules)
+    out = np.empty((rows.stop - rows.start, *x.shape[1:]), x.dtype)
+    for shard in x.addressable_shards:
+      start, stop, _ = shard.index[0].indices(x.shape[0])
+      out[(slice(start - rows.start, stop - rows.start), *shard.index[1:])] = shard.data
+    return out
+
+  return jax.tree.map(get, tree)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _laid_out(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+  return jax.lax.with_sharding_constraint(x, sharding)
 
 
 def host_rows(tree: Any) -> Any:

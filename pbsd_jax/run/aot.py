@@ -266,11 +266,9 @@ def run_programs(spec: RunSpec, task: Task, mesh: Mesh) -> list[Program]:
   eval_rows = min(50, spec.eval.num_examples)
   sampler = Sampler(model, temperature=0.0)  # greedy, as `train.validation_accuracy`
   eval_agent = task.agent(sampler)
-  if eval_agent.in_graph:
-    shards = sharding.num_batch_shards(mesh)
-    eval_rows = -(-eval_rows // shards) * shards
-  eval_batch = {k: jax.ShapeDtypeStruct((eval_rows, *v.shape[1:]), v.dtype,
-                                        sharding=rows if eval_agent.in_graph else whole)
+  shards = sharding.num_batch_shards(mesh)
+  eval_rows = -(-eval_rows // shards) * shards
+  eval_batch = {k: jax.ShapeDtypeStruct((eval_rows, *v.shape[1:]), v.dtype, sharding=rows)
                 for k, v in batch.items() if k in ("prompts", "prompt_mask", "gold")}
   if eval_agent.in_graph:
     index, text = _device_index(eval_agent.search, mesh), eval_agent.tokenizer.text
@@ -284,8 +282,8 @@ def run_programs(spec: RunSpec, task: Task, mesh: Mesh) -> list[Program]:
         {"turn_loop": env.max_turns, **decode}, 1, "eval.num_examples, env.buffer_size",
         estimate("eval", rows=eval_rows)))
   else:
-    out += _host_loop(spec, task, eval_agent, state.params, eval_batch, whole, "eval",
-                      lambda kind: estimate(kind, rows=eval_rows, split_rows=False))
+    out += _host_loop(spec, task, eval_agent, state.params, eval_batch, rows, "eval",
+                      lambda kind: estimate(kind, rows=eval_rows))
   return out
 
 
@@ -305,8 +303,7 @@ def _host_loop(spec: RunSpec, task: Task, agent: Any, params: Any, batch: dict,
                rows: jax.sharding.NamedSharding, prefix: str, estimate: Callable
                ) -> list[Program]:
   """The host turn loop's programs (`rollout._start`, `_act`, `_observe`) for `batch`, its
-  rows placed by `rows` (the training batch's over the data axes; evaluation's, made on the
-  host, on every device)."""
+  rows placed by `rows` (over the data axes)."""
   sampler, env = agent.sampler, task.env
   text = agent.tokenizer.text
   b = batch["prompts"].shape[0]

@@ -67,16 +67,14 @@ def _split(n: int, ways: int) -> float:
   return n / ways if n % ways == 0 else n
 
 
-def estimate(spec, mesh: Mesh, kind: str, rows: int | None = None,
-             split_rows: bool = True) -> dict[str, float]:
+def estimate(spec, mesh: Mesh, kind: str, rows: int | None = None) -> dict[str, float]:
   """The memory model's parts for a program of `kind` (`sft`, `rl_step`, `rl_update`,
   `eval`, or the host loop's `start`, `act`, `observe`) and their `total`, bytes per device.
 
-  `rows`: the program's batch (default: the stage's); `split_rows=False`: every device holds
-  every row (the host retriever's evaluation loop).
+  `rows`: the program's batch (default: the stage's), split over the data axes.
   """
   model, env = spec.model, spec.env
-  shards = sharding.num_batch_shards(mesh) if split_rows else 1
+  shards = sharding.num_batch_shards(mesh)
   tensor = mesh.shape["tensor"]
   shapes = param_shapes(model)
   param_sh = param_shardings(model, mesh)

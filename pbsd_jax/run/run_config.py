@@ -538,9 +538,6 @@ def validate(config, num_devices: int | None = None) -> RunSpec:
             "of a dense index (scripts/build_index.py --encoder)")
     with naming_fields({}, "env.index_dir"):
       dense_retriever.read_settings(config.env.index_dir)
-  if config.env.retriever != "ingraph" and jax.process_count() > 1:
-    _fail("env.retriever", config.env.retriever, "must be 'ingraph' in a multi-process run "
-          "(a host retriever's turn loop reads every row of the batch on one host)")
   # The client's settings are checked whatever the retriever: a value no retriever can run
   # with is a mistake even while another retriever is chosen (its URL only when it is used).
   with naming_fields({"url": "env.url", "timeout_s": "env.timeout_s",

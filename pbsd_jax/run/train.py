@@ -380,8 +380,14 @@ def save_rollout(path: str, rollout: Rollout) -> None:
 
 
 def retrieval_metrics(before: dict, after: dict) -> dict:
-  """A step's `retrieval/<counter>`: how much each of a retriever's counters grew."""
-  return {f"retrieval/{k}": after[k] - before[k] for k in after}
+  """A step's `retrieval/<counter>`: how much each of a retriever's counters grew, summed
+  over the processes (each asks its own retriever for its own rows)."""
+  keys = sorted(after)
+  grew = np.array([after[k] - before[k] for k in keys], np.float64)
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    grew = multihost_utils.process_allgather(grew).sum(axis=0)
+  return {f"retrieval/{k}": float(v) for k, v in zip(keys, grew)}
 
 
 # Metrics that count faults, shown in the progress bar (as run totals) once non-zero.
