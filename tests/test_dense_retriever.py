@@ -41,12 +41,12 @@ def _documents(num=50, seed=0):
   return docs
 
 
-def _write_encoder(path):
+def _write_encoder(path, words=WORDS):
   """A 2-layer, 32-wide BERT with random weights and a lower-casing WordPiece tokenizer over
-  `WORDS` (titles split into word pieces), both saved by `transformers`."""
+  `words` (titles split into word pieces), both saved by `transformers`."""
   import tokenizers
-  vocab = (["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "query", "passage", ":", "."] + WORDS
-           + ["##" + w for w in WORDS])
+  vocab = (["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "query", "passage", ":", "."]
+           + list(words) + ["##" + w for w in words])
   tokenizer = tokenizers.BertWordPieceTokenizer(vocab={w: i for i, w in enumerate(vocab)})
   os.makedirs(path)
   tokenizer.save(os.path.join(path, "tokenizer.json"))
