@@ -295,7 +295,9 @@ def write_results(path, evals, runs, methods, config, minutes, ablations=()):
     got = [r["validation"]["top_p"].get("credit") for r in rows_of(method)]
     if got[0] is not None:
       keys = ("auc_evidence", "auc_evidence_solved", "auc_evidence_failed", "frac_useful",
-              "frac_evidence_pos", "mean_abs_evidence", "auc_evidence_value", "frac_progress")
+              "frac_evidence_pos", "mean_abs_evidence", "auc_evidence_value",
+              "auc_evidence_value_answer_shown", "auc_evidence_value_answer_hidden",
+              "frac_progress")
       eval_credit.append([method.upper()] + [
           f"{float(results.nanmean([g.get(k, np.nan) for g in got])):.3f}" for k in keys])
 
@@ -351,11 +353,13 @@ def write_results(path, evals, runs, methods, config, minutes, ablations=()):
                   ablation_rows), ""]
   if eval_credit:
     lines += ["On validation (top-p rollouts, evidence of each checkpoint on its own "
-              "trajectories):", "",
+              "trajectories; the answer columns split `auc_evidence_value` by whether an "
+              "earlier search showed the document that names the answer):", "",
               results.markdown_table(["checkpoint", "auc_evidence", "auc_evidence_solved",
                                       "auc_evidence_failed", "frac_useful",
                                       "frac_evidence_pos", "mean_abs_evidence",
-                                      "auc_evidence_value", "frac_progress"], eval_credit),
+                                      "auc_evidence_value", "answer in context",
+                                      "answer not in context", "frac_progress"], eval_credit),
               ""]
   with storage.replaced(path) as f:
     f.write("\n".join(lines))

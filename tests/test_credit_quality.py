@@ -94,6 +94,20 @@ def test_horizon_summary_by_hand():
                  "full_progress": 0.5, "answers_at_full": 0.5, "accuracy_at_full": 1.0}
 
 
+def test_the_answer_is_in_the_context_after_a_search_shows_the_last_chain_document():
+  """Row 0 (chain 7 -> 8) shows 8, the answer's document, at turn 2 behind 9: in context from
+  turn 3. Row 1 (chain 5 -> 6) shows 6 out of order at turn 0, then answers. Row 2 never
+  shows 4; row 3 shows 8 but has no chain."""
+  doc = jnp.array([[[7, -1], [9, -1], [9, 8], [-1, -1]],
+                   [[6, -1], [-1, -1], [-1, -1], [-1, -1]],
+                   [[3, -1], [3, -1], [-1, -1], [-1, -1]],
+                   [[8, -1], [-1, -1], [-1, -1], [-1, -1]]])
+  gold = jnp.array([[7, 8], [5, 6], [3, 4], [-1, -1]])
+  np.testing.assert_array_equal(gold_chain.answer_shown(doc, gold),
+                                [[False, False, False, True], [False, True, True, True],
+                                 [False] * 4, [False] * 4])
+
+
 def test_gold_doc_batch_takes_the_documents_that_state_each_hop():
   records = [{"chain": [3, 1, 4, 1], "hops": 3}, {"chain": [5, 9], "hops": 1}, {"question": "q"}]
   np.testing.assert_array_equal(gold_chain.gold_doc_batch(records, 4),

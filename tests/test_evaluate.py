@@ -356,6 +356,19 @@ def test_credit_summary_scores_progress_against_culprit_turns():
   assert got["auc_evidence_value"] == 1.0 and got["auc_evidence_value_solved"] == 1.0
   assert got["frac_progress"] == pytest.approx(2 / 5)
   assert got["frac_culprit"] == pytest.approx(2 / 5)
+  # Split by the answer in the context: shown before turns (0, 1) and (1, 0). Shown: progress
+  # 0.3 vs. culprit -0.2 and the neutral 0.1 left out. Hidden: progress 0.5 vs. culprit -0.4.
+  shown = np.array([[False, True, True], [True, True, True], [False, False, False]])
+  split = ev.credit_summary(labels, evidence, np.array([True, True, False]), values, shown)
+  assert split["auc_evidence_value_answer_shown"] == 1.0
+  assert split["auc_evidence_value_answer_hidden"] == 1.0
+  assert split["frac_answer_shown"] == pytest.approx(2 / 4)
+  # Reversed evidence within the shown turns only: that AUC flips, the other does not.
+  flipped = np.where(shown, -evidence, evidence)
+  split = ev.credit_summary(labels, flipped, np.array([True, True, False]), values, shown)
+  assert split["auc_evidence_value_answer_shown"] == 0.0
+  assert split["auc_evidence_value_answer_hidden"] == 1.0
+  assert split["auc_evidence_value"] == pytest.approx(3 / 4)
 
 
 def test_evaluation_labels_the_searches_of_records_with_a_gold_chain(kg, automaton):

@@ -91,17 +91,33 @@ def turn_labels(turn_kind: Array, turn_doc: Array, gold_docs: Array) -> Array:
   return jnp.where(has_chain, label, UNLABELLED).astype(jnp.int32)
 
 
+def _read(turn_doc: Array, gold_docs: Array) -> Array:
+  """`bool[B, K, H]`: chain document j shown by turn k or earlier."""
+  hit = jnp.any((turn_doc[..., None] == gold_docs[:, None, None, :])
+                & (gold_docs[:, None, None, :] >= 0) & (turn_doc[..., None] >= 0), axis=2)
+  return jnp.cumsum(hit, axis=1) > 0
+
+
+def _before(after: Array) -> Array:
+  """The value of a per-turn cumulative quantity before each turn: shifted by one turn."""
+  return jnp.concatenate([jnp.zeros_like(after[:, :1]), after[:, :-1]], axis=1)
+
+
 def progress(turn_doc: Array, gold_docs: Array) -> tuple[Array, Array]:
   """`(before, after)`, `i32[B, K]` each: how far along its gold chain a row has read before
   and after each turn (module docstring). Arguments as in `turn_labels`."""
-  b = turn_doc.shape[0]
-  hit = jnp.any((turn_doc[..., None] == gold_docs[:, None, None, :])
-                & (gold_docs[:, None, None, :] >= 0) & (turn_doc[..., None] >= 0),
-                axis=2)  # [B, K, H]: chain document j shown at turn k
-  read = jnp.cumsum(hit, axis=1) > 0  # chain document j read by turn k
-  after = jnp.sum(jnp.cumprod(read, axis=2), axis=2).astype(jnp.int32)
-  before = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), after[:, :-1]], axis=1)
-  return before, after
+  after = jnp.sum(jnp.cumprod(_read(turn_doc, gold_docs), axis=2), axis=2).astype(jnp.int32)
+  return _before(after), after
+
+
+def answer_shown(turn_doc: Array, gold_docs: Array) -> Array:
+  """`bool[B, K]`: whether the answer was in the context before each turn, i.e. an earlier
+  search showed the chain's last document (the one whose fact names the answer), in or out
+  of the chain's order. False for rows without a chain. Arguments as in `turn_labels`."""
+  hops = jnp.sum(gold_docs >= 0, axis=1)
+  last = jnp.take_along_axis(_read(turn_doc, gold_docs),
+                             jnp.maximum(hops - 1, 0)[:, None, None], axis=2)[..., 0]
+  return _before(last & (hops[:, None] > 0))
 
 
 def horizon_summary(turn_kind: np.ndarray, turn_doc: np.ndarray, gold_docs: np.ndarray,

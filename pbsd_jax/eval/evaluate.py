@@ -258,8 +258,11 @@ def evaluate(agent: Agent, params: Any, records: Sequence[Mapping], *, batch_siz
         outcomes["turn_kind"], outcomes["turn_doc"], region["gold_docs"][rows],
         outcomes["reward"]) | {"tokens": float(np.mean(outcomes["tokens"]))}
   if with_credit:
+    shown = gold_chain.answer_shown(jnp.asarray(outcomes["turn_doc"]),
+                                    jnp.asarray(region["gold_docs"][rows]))
     result["credit"] = credit_summary(outcomes["turn_label"], outcomes["evidence"],
-                                      outcomes["reward"] > 0.5, outcomes["turn_value"])
+                                      outcomes["reward"] > 0.5, outcomes["turn_value"],
+                                      np.asarray(shown))
   return result
 
 
@@ -274,18 +277,30 @@ def _turn_evidence(algo: Any, model: ModelConfig, max_turns: int, params: Any, r
 
 
 def credit_summary(turn_label: np.ndarray, evidence: np.ndarray, solved: np.ndarray,
-                   turn_value: np.ndarray | None = None) -> dict:
+                   turn_value: np.ndarray | None = None,
+                   answer_shown: np.ndarray | None = None) -> dict:
   """Evidence statistics of evaluated trajectories (`[N, K]` labels and evidence, `[N]`
   solved): the ROC AUC of `s` for useful vs. other labelled turns (all, solved, failed
   trajectories; NaN where a class is empty), the share of labelled turns that are useful and
   their count, and over the labelled turns the fraction with `s > 0` and the mean `|s|`;
   with the turns' values (`[N, K]`, `gold_chain.turn_values`), the same AUCs for progress vs.
-  culprit turns (`..._value`) and their shares."""
+  culprit turns (`..._value`) and their shares; with `answer_shown` as well (`[N, K]`,
+  `gold_chain.answer_shown`), that AUC over the turns taken with the answer in the context
+  (`auc_evidence_value_answer_shown`) and without (`..._answer_hidden`), and the share of
+  progress and culprit turns taken with it (`frac_answer_shown`)."""
   metrics = credit_quality.quality_metrics(
       jnp.asarray(turn_label), jnp.asarray(solved), evidence=jnp.asarray(evidence),
       turn_value=None if turn_value is None else jnp.asarray(turn_value))
   summary = {k.removeprefix("credit/"): float(v) for k, v in metrics.items()}
   summary["labelled_turns"] = int(summary["labelled_turns"])
+  if turn_value is not None and answer_shown is not None:
+    label = np.asarray(gold_chain.value_labels(jnp.asarray(turn_value)))
+    ranked = (label == gold_chain.PROGRESS) | (label == gold_chain.CULPRIT)
+    for name, keep in (("shown", answer_shown), ("hidden", ~answer_shown)):
+      summary[f"auc_evidence_value_answer_{name}"] = float(credit_quality.roc_auc(
+          jnp.asarray(evidence), jnp.asarray(label == gold_chain.PROGRESS),
+          jnp.asarray(ranked & keep)))
+    summary["frac_answer_shown"] = float(np.sum(ranked & answer_shown) / max(ranked.sum(), 1))
   labelled = turn_label != gold_chain.UNLABELLED
   n = max(int(labelled.sum()), 1)
   return {**summary, "frac_evidence_pos": float(np.sum(labelled & (evidence > 0)) / n),
@@ -439,7 +454,9 @@ def format_table(results: Mapping[str, Mapping]) -> str:
         ("teacher > student", "frac_evidence_pos", _percent),
         ("mean |evidence|", "mean_abs_evidence", "{:.3f}".format),
         ("progress turns", "frac_progress", _percent),
-        ("evidence AUC progress", "auc_evidence_value", "{:.3f}".format))]
+        ("evidence AUC progress", "auc_evidence_value", "{:.3f}".format),
+        ("  answer in context", "auc_evidence_value_answer_shown", "{:.3f}".format),
+        ("  answer not in context", "auc_evidence_value_answer_hidden", "{:.3f}".format))]
   label_width = max(len(label) for label, _ in lines)
   widths = [max(len(name), *(len(cells[j]) for _, cells in lines))
             for j, name in enumerate(columns)]
