@@ -17,12 +17,14 @@ checkpoint samples every pool question `--ood_samples` times (`--ood_sampling`: 
 become `<workdir>/ood_tiers.jsonl` (`evaluate.stratified_subset`). Everything resumes:
 re-running skips finished runs and evaluations (a split added later is evaluated alone).
 `--results` (default `docs/results.md`) gets the tables and its PNGs go beside
-it: accuracy (mean and spread over seeds), the difference of each method from GRPO paired by
-seed with a bootstrap interval over questions, accuracy against step, the dynamics of PBSD
-and GRPO, pass@k, and the credit AUCs (`pbsd_jax.rl.credit_quality`). `--ablations` adds the
-paper's Table 3 as PBSD variants (`ABLATIONS`: delta, the deadband, the turn reduction, and on
-an MoE model replayed routing), each in its own `<variant>_seed<s>` runs, tabulated against
-PBSD; `all` is every variant the model can run. Every run's config is checked before the SFT
+it: accuracy (mean and spread over seeds); the difference of each method and variant from GRPO
+paired by seed (greedy, top-p and pass@k with a bootstrap interval over questions, the mean
+validation accuracy over the RL steps, and the step at which its rollouts first differ from
+GRPO's); accuracy against step, the dynamics of PBSD and GRPO, pass@k, the credit AUCs
+(`pbsd_jax.rl.credit_quality`) and the range of the turn weights. `--ablations` adds the
+paper's Table 3 as PBSD variants (`ABLATIONS`: delta, the deadband, the turn reduction, the
+clip, and on an MoE model replayed routing), each in its own `<variant>_seed<s>` runs,
+tabulated against PBSD; `all` is every variant the model can run. Every run's config is checked before the SFT
 starts. The PNGs are named after the page (`results.md` -> `results_*.png`), so pages of two
 comparisons can share a folder:
 
@@ -76,6 +78,7 @@ ABLATIONS = {
     "pbsd-deadband40": ("deadband 0.0005 / 0.0015 (the paper's: 0.001 / 0.003)",
                         {"pbsd.eps_pos": 0.0005, "pbsd.eps_neg": 0.0015}),
     "pbsd-sum": ("turn reduction sum (the demo: mean)", {"pbsd.reduction": "sum"}),
+    "pbsd-clip0.5": ("clip 0.5 (the paper's: 0.1)", {"pbsd.clip": 0.5}),
     "pbsd-replay": ("replayed routing (MoE; the method: fresh)", {"pbsd.replay_routing": True}),
 }
 MOE_ONLY = {"pbsd-replay"}
@@ -213,7 +216,7 @@ def write_results(path, evals, runs, methods, config, minutes, ablations=()):
   import jax
   import numpy as np
 
-  from pbsd_jax.eval import results
+  from pbsd_jax.eval import evaluate, results
 
   out_dir = os.path.dirname(os.path.abspath(path))
   stem = os.path.splitext(os.path.basename(path))[0]
@@ -241,20 +244,34 @@ def write_results(path, evals, runs, methods, config, minutes, ablations=()):
     row += [cell([r["ood"]["top_p"]["accuracy"] for r in got])] if tiers else []
     table.append(row)
 
-  # Differences from GRPO, paired by seed, with an interval over questions.
-  def scores(method, split, setting):
-    return np.stack([np.asarray(evals[(method, s)][split][setting]["solve_counts"]) /
-                     evals[(method, s)][split][setting]["samples_per_question"] for s in seeds])
-  def difference(base, method, split, setting):
-    d, lo, hi = results.paired_bootstrap(scores(base, split, setting),
-                                         scores(method, split, setting))
+  # Differences from GRPO, paired by seed, with an interval over questions: per question its
+  # solve rate (pass@1) or pass@k.
+  def scores(method, split, setting, k=1):
+    return np.stack([evaluate.pass_at_k_array(r["samples_per_question"], r["solve_counts"], k)
+                     for r in (evals[(method, s)][split][setting] for s in seeds)])
+  def difference(base, method, split, setting, k=1):
+    d, lo, hi = results.paired_bootstrap(scores(base, split, setting, k),
+                                         scores(method, split, setting, k))
     return f"{100 * d:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+  # The mean greedy validation accuracy over the RL steps (the area under the curve of the
+  # `eval` rows over its span), paired by seed; and the step at which each seed's rollouts
+  # first differ from GRPO's.
+  curve_mean = lambda method, s: results.curve_mean(
+      *results.metric_series(runs[(method, s)], "eval", "accuracy"))
+  def curve_difference(method):
+    d = 100 * np.asarray([curve_mean(method, s) - curve_mean("grpo", s) for s in seeds])
+    return f"{d.mean():+.1f} (seeds {d.min():+.1f} .. {d.max():+.1f})"
+  def leaves_grpo(method):
+    steps = [results.first_divergence(runs[("grpo", s)], runs[(method, s)]) for s in seeds]
+    return " / ".join("never" if step is None else str(step) for step in steps)
   diffs = [[f"{method.upper()} - GRPO"] + [
-      difference("grpo", method, split, setting) for split in splits
-      for setting in ("greedy", "top_p")] for method in methods
-      if "grpo" in methods and method != "grpo"]
+      difference("grpo", method, split, setting, k) for split in splits
+      for setting, k in (("greedy", 1), ("top_p", 1), ("top_p", kmax))] + [
+      curve_difference(method), leaves_grpo(method)]
+      for method in [*methods, *ablations] if "grpo" in methods and method != "grpo"]
   diff_header = ["difference"] + [f"{split} {setting}" for split in splits
-                                  for setting in ("greedy", "top-p")]
+                                  for setting in ("greedy", "top-p", f"pass@{kmax}")] + [
+      "val accuracy over the steps", "rollouts leave GRPO's at step"]
 
   # Curves: accuracy vs step, dynamics, pass@k.
   curve = lambda method, stage, key: results.mean_over_runs(
@@ -289,6 +306,11 @@ def write_results(path, evals, runs, methods, config, minutes, ablations=()):
       value = results.nanmean([results.nanmean(results.metric_series(runs[(method, s)], "rl",
                                                                       key)[1]) for s in seeds])
       row.append("-" if np.isnan(value) else f"{value:.3f}")
+    low, high = (np.concatenate([results.metric_series(runs[(method, s)], "rl",
+                                                       f"credit/weight_{key}")[1]
+                                 for s in seeds]) for key in ("min", "max"))
+    row.append(f"{np.nanmin(low):.3f} .. {np.nanmax(high):.3f}"
+               if np.isfinite(low).any() else "-")
     credit_rows.append(row)
   eval_credit = []
   for method in ["sft", *methods]:
@@ -330,7 +352,10 @@ def write_results(path, evals, runs, methods, config, minutes, ablations=()):
       "## Accuracy (%, mean ± sd over seeds; SFT: the shared checkpoint)", "",
       results.markdown_table(header, table), "",
       *(["## Difference from GRPO (points; paired by seed, 95% bootstrap interval over "
-         "questions)", "", results.markdown_table(diff_header, diffs), ""] if diffs else []),
+         "questions; over the steps: the mean greedy validation accuracy of the RL steps, the "
+         "area under its curve, with the seeds' range; the step of each seed at which the "
+         "rollouts first differ from GRPO's)", "", results.markdown_table(diff_header, diffs),
+         ""] if diffs else []),
       "## Accuracy against RL step", "", f"![accuracy]({png('accuracy_vs_step')})", "",
       "## Dynamics, PBSD vs GRPO (raw: faint; moving average of 5 steps)", "",
       f"![dynamics]({png('dynamics')})", "",
@@ -341,8 +366,8 @@ def write_results(path, evals, runs, methods, config, minutes, ablations=()):
       "`auc_evidence` by the turn evidence `s`. The `_value` columns rank progress vs. culprit "
       "turns instead, by each turn's change to the chance of success (`gold_chain.turn_values`; "
       "`frac_progress`: their share of labelled turns).", "",
-      results.markdown_table(["method"] + [k.split("/")[1] for k in credit_keys],
-                             credit_rows), ""]
+      results.markdown_table(["method"] + [k.split("/")[1] for k in credit_keys]
+                             + ["turn weights (min .. max)"], credit_rows), ""]
   if ablation_rows:
     lines += ["## Ablations (the paper's Table 3; PBSD variants, mean ± sd over seeds, "
               "difference from PBSD paired by seed with a 95% bootstrap interval over "

@@ -1,5 +1,6 @@
 """scripts/compare.py and its statistics (pbsd_jax.eval.results)."""
 
+import importlib.util
 import json
 import os
 import re
@@ -42,6 +43,30 @@ def test_smooth_and_means_skip_missing_values():
   np.testing.assert_array_equal(steps, [0, 2])
   np.testing.assert_allclose(values, [0.2, 0.3])
   assert np.isnan(results.nanmean([np.nan, np.nan]))
+
+
+def test_curve_mean_is_the_area_over_the_span_of_steps():
+  # Trapezoids over steps 0, 2, 3: (0.2 + 0.4) / 2 * 2 + (0.4 + 1.0) / 2 * 1 = 1.3, over 3.
+  assert results.curve_mean(np.array([0, 2, 3]), np.array([0.2, 0.4, 1.0])) == pytest.approx(
+      1.3 / 3)
+  assert results.curve_mean(np.array([5]), np.array([0.7])) == 0.7
+
+
+def test_first_divergence_is_the_first_rl_step_whose_rollouts_differ(tmp_path):
+  def write(name, tokens, accuracy=0.5):
+    rows = [{"stage": "sft", "step": 1, "loss": 1.0}] + [
+        {"stage": "rl", "step": i + 1, "accuracy": accuracy, "mean_turns": 2.0,
+         "mean_action_tokens": t, "searches": 1.0, "loss": float(i)} for i, t in
+        enumerate(tokens)]
+    path = tmp_path / f"{name}.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+  base = write("a", [10.0, 11.0, 12.0])
+  assert results.first_divergence(base, write("b", [10.0, 11.0, 13.0])) == 3
+  # The loss is not a rollout statistic; the accuracy is.
+  assert results.first_divergence(base, write("c", [10.0, 11.0, 12.0])) is None
+  assert results.first_divergence(base, write("d", [10.0, 11.0], accuracy=0.25)) == 1
+  assert results.first_divergence(base, write("e", [10.0, 11.0])) is None  # steps both have
 
 
 def _compare(workdir, data_dir, ood, results_md, *extra, check=True):
@@ -105,7 +130,9 @@ def test_compare_trains_every_method_and_seed_from_one_sft_and_tabulates_them(co
     acc = [100 * evals[f"{method}_seed{s}"]["validation"]["greedy"]["accuracy"] for s in (0, 1)]
     want = f"| {method.upper()} | {np.mean(acc):.1f} ± {np.std(acc, ddof=1):.1f} |"
     assert want in text, want
+  # Every method and variant is paired with GRPO (the values: the synthetic test below).
   assert re.search(r"\| PBSD - GRPO \| [+-]\d+\.\d \[", text)
+  assert re.search(r"\| PBSD-SUM - GRPO \| [+-]\d+\.\d \[", text)
   # The ablation ran PBSD with its own setting, and is tabulated against PBSD.
   with open(os.path.join(workdir, "pbsd-sum_seed0", "run_config.json")) as f:
     ablated = json.load(f)
@@ -121,6 +148,69 @@ def test_compare_trains_every_method_and_seed_from_one_sft_and_tabulates_them(co
   _compare(workdir, data_dir, ood_path, str(tmp_path / "again.md"))
   assert stamps == {run: os.path.getmtime(os.path.join(workdir, run, "final_eval.json"))
                     for run in runs}
+
+
+def _compare_module():
+  spec = importlib.util.spec_from_file_location("compare", os.path.join(ROOT, "scripts",
+                                                                        "compare.py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def test_the_results_page_pairs_each_method_with_grpo_by_hand(tmp_path):
+  """`write_results` on two methods x 2 seeds made up here: 4 validation questions x 2
+  top-p samples, greedy curves over RL steps 0, 2, 4, and rollouts that part at chosen steps."""
+  sys.path.insert(0, os.path.join(ROOT, "configs"))
+  import demo
+  from pbsd_jax.eval import evaluate
+
+  def evaluation(greedy, top_p):  # solve vectors: [4] greedy, [4 x 2] top-p
+    out = lambda solved, n: evaluate.summarize(
+        {"reward": np.asarray(solved, np.float32), "num_turns": np.full(len(solved), 3),
+         "num_action_tokens": np.full(len(solved), 20), "finished": np.ones(len(solved)),
+         "truncated": np.zeros(len(solved))}, ["in_domain"] * 4, n, (1, 2))
+    return {"validation": {"greedy": out(greedy, 1), "top_p": out(np.ravel(top_p), 2)}}
+  evals = {("sft", 0): evaluation([1, 0, 0, 0], [[1, 0], [0, 0], [0, 0], [0, 0]]),
+           ("grpo", 0): evaluation([1, 1, 0, 0], [[1, 0], [1, 0], [0, 0], [0, 0]]),
+           ("grpo", 1): evaluation([1, 0, 0, 0], [[1, 1], [0, 0], [0, 0], [0, 0]]),
+           ("pbsd", 0): evaluation([1, 1, 1, 0], [[1, 1], [1, 0], [1, 0], [0, 0]]),
+           ("pbsd", 1): evaluation([1, 0, 0, 0], [[1, 1], [0, 0], [0, 0], [1, 0]])}
+  curves = {("grpo", 0): [0.0, 0.5, 0.5], ("grpo", 1): [0.0, 0.25, 0.25],
+            ("pbsd", 0): [0.0, 0.5, 1.0], ("pbsd", 1): [0.0, 0.25, 0.25]}
+  parts = {0: 3, 1: None}  # the step each seed's PBSD rollouts leave GRPO's
+  weights = {("pbsd", 0): [(0.95, 1.04), (0.92, 1.0)], ("pbsd", 1): [(1.0, 1.07), (1.0, 1.0)]}
+  runs = {}
+  for (method, seed), curve in curves.items():
+    rows = [{"stage": "eval", "step": 2 * i, "accuracy": a} for i, a in enumerate(curve)]
+    for step in range(1, 5):
+      tokens = 30.0 + step + (0.5 if method == "pbsd" and parts[seed] and
+                              step >= parts[seed] else 0.0)
+      row = {"stage": "rl", "step": step, "accuracy": 0.25, "mean_turns": 3.0,
+             "mean_action_tokens": tokens, "searches": 2.0}
+      if method == "pbsd":
+        low, high = weights[(method, seed)][step % 2]
+        row |= {"credit/weight_min": low, "credit/weight_max": high}
+      rows.append(row)
+    runs[(method, seed)] = str(tmp_path / f"{method}_{seed}.jsonl")
+    with open(runs[(method, seed)], "w") as f:
+      f.writelines(json.dumps(r) + "\n" for r in rows)
+  page = _compare_module().write_results(str(tmp_path / "page.md"), evals, runs,
+                                         ["grpo", "pbsd"], demo.get_config(), minutes=1.0)
+  text = open(page).read()
+  row = next(line for line in text.splitlines() if line.startswith("| PBSD - GRPO |"))
+  cells = [c.strip() for c in row.strip("|").split("|")]
+  # Per question, mean over seeds of PBSD - GRPO: greedy (0, 0, +1, 0) and 0 -> +12.5;
+  # top-p rates (0.5, 0, 0.5, 0) and (0, 0, 0, 0.5) -> +18.75; pass@2 (0, 0, 1, 0) and
+  # (0, 0, 0, 1) -> +25.
+  assert [c.split(" [")[0] for c in cells[1:4]] == ["+12.5", "+18.8", "+25.0"]
+  # Mean accuracy over steps 0-4: seed 0 (0.25 + 0.5) / 2 vs (0.25 + 0.75) / 2 -> +12.5;
+  # seed 1: 0.
+  assert cells[4] == "+6.2 (seeds +0.0 .. +12.5)"
+  assert cells[5] == "3 / never"
+  credit = [line for line in text.splitlines() if line.startswith(("| GRPO | ", "| PBSD | "))
+            and line.count("|") > 12]
+  assert [line.rsplit("|", 2)[1].strip() for line in credit] == ["-", "0.920 .. 1.070"]
 
 
 def test_the_results_notebook_draws_a_compare_workdir(comparison, tmp_path):

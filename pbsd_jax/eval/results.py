@@ -107,6 +107,30 @@ def metric_series(metrics_path: str, stage: str, key: str) -> tuple[np.ndarray, 
   return steps, values
 
 
+def curve_mean(steps: np.ndarray, values: np.ndarray) -> float:
+  """The area under a curve divided by its span of steps (trapezoids; a curve of one point
+  is its value): the mean accuracy over a run, comparable between runs of equal length."""
+  steps, values = np.asarray(steps, np.float64), np.asarray(values, np.float64)
+  if steps.size == 1:
+    return float(values[0])
+  area = np.sum((values[1:] + values[:-1]) / 2 * np.diff(steps))
+  return float(area / (steps[-1] - steps[0]))
+
+
+# The rollout statistics every RL step logs, whatever the algorithm.
+ROLLOUT_KEYS = ("accuracy", "mean_turns", "mean_action_tokens", "searches")
+
+
+def first_divergence(a_path: str, b_path: str, keys: Sequence[str] = ROLLOUT_KEYS
+                     ) -> int | None:
+  """The first RL step whose rollouts differ between two runs' metrics files (any of `keys`
+  unequal), or None where they never do over the steps both logged. Two runs from one
+  checkpoint with one seed sample the same rollouts until their updates part the policies."""
+  a, b = ({row["step"]: row for row in stage_rows(path, "rl")} for path in (a_path, b_path))
+  return next((step for step in sorted(a.keys() & b.keys())
+               if any(a[step].get(k) != b[step].get(k) for k in keys)), None)
+
+
 def nanmean(values, axis=None):
   """`np.nanmean` that gives NaN for all-NaN input without a warning."""
   x = np.asarray(values, np.float64)
