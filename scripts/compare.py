@@ -19,8 +19,8 @@ re-running skips finished runs and evaluations (a split added later is evaluated
 `--results` (default `docs/results.md`) gets the tables and its PNGs go beside
 it: accuracy (mean and spread over seeds); the difference of each method and variant from GRPO
 paired by seed (greedy, top-p and pass@k with a bootstrap interval over questions, the mean
-validation accuracy over the RL steps, and the step at which its rollouts first differ from
-GRPO's); accuracy against step, the dynamics of PBSD and GRPO, pass@k, the credit AUCs
+accuracy over the RL steps of the validation and of the training rollouts, and the step at
+which its rollouts first differ from GRPO's); accuracy against step, the dynamics of PBSD and GRPO, pass@k, the credit AUCs
 (`pbsd_jax.rl.credit_quality`) and the range of the turn weights. `--ablations` adds the
 paper's Table 3 as PBSD variants (`ABLATIONS`: delta, the deadband, the turn reduction, the
 clip, and on an MoE model replayed routing), each in its own `<variant>_seed<s>` runs,
@@ -253,13 +253,15 @@ def write_results(path, evals, runs, methods, config, minutes, ablations=()):
     d, lo, hi = results.paired_bootstrap(scores(base, split, setting, k),
                                          scores(method, split, setting, k))
     return f"{100 * d:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
-  # The mean greedy validation accuracy over the RL steps (the area under the curve of the
-  # `eval` rows over its span), paired by seed; and the step at which each seed's rollouts
-  # first differ from GRPO's.
-  curve_mean = lambda method, s: results.curve_mean(
-      *results.metric_series(runs[(method, s)], "eval", "accuracy"))
-  def curve_difference(method):
-    d = 100 * np.asarray([curve_mean(method, s) - curve_mean("grpo", s) for s in seeds])
+  # The mean accuracy over the RL steps (the area under its curve over its span) of the greedy
+  # validation (`eval` rows) and of the training rollouts (`rl` rows: one seed samples the same
+  # prompts in every method), paired by seed; and the step at which each seed's rollouts first
+  # differ from GRPO's.
+  curve_mean = lambda method, s, stage: results.curve_mean(
+      *results.metric_series(runs[(method, s)], stage, "accuracy"))
+  def curve_difference(method, stage):
+    d = 100 * np.asarray([curve_mean(method, s, stage) - curve_mean("grpo", s, stage)
+                          for s in seeds])
     return f"{d.mean():+.1f} (seeds {d.min():+.1f} .. {d.max():+.1f})"
   def leaves_grpo(method):
     steps = [results.first_divergence(runs[("grpo", s)], runs[(method, s)]) for s in seeds]
@@ -267,11 +269,12 @@ def write_results(path, evals, runs, methods, config, minutes, ablations=()):
   diffs = [[f"{method.upper()} - GRPO"] + [
       difference("grpo", method, split, setting, k) for split in splits
       for setting, k in (("greedy", 1), ("top_p", 1), ("top_p", kmax))] + [
-      curve_difference(method), leaves_grpo(method)]
+      curve_difference(method, "eval"), curve_difference(method, "rl"), leaves_grpo(method)]
       for method in [*methods, *ablations] if "grpo" in methods and method != "grpo"]
   diff_header = ["difference"] + [f"{split} {setting}" for split in splits
                                   for setting in ("greedy", "top-p", f"pass@{kmax}")] + [
-      "val accuracy over the steps", "rollouts leave GRPO's at step"]
+      "val accuracy over the steps", "training rollouts over the steps",
+      "rollouts leave GRPO's at step"]
 
   # Curves: accuracy vs step, dynamics, pass@k.
   curve = lambda method, stage, key: results.mean_over_runs(
@@ -352,8 +355,9 @@ def write_results(path, evals, runs, methods, config, minutes, ablations=()):
       "## Accuracy (%, mean ± sd over seeds; SFT: the shared checkpoint)", "",
       results.markdown_table(header, table), "",
       *(["## Difference from GRPO (points; paired by seed, 95% bootstrap interval over "
-         "questions; over the steps: the mean greedy validation accuracy of the RL steps, the "
-         "area under its curve, with the seeds' range; the step of each seed at which the "
+         "questions; over the steps: the mean accuracy over the RL steps, the area under its "
+         "curve, of the greedy validation and of the training rollouts, with the seeds' "
+         "range; the step of each seed at which the "
          "rollouts first differ from GRPO's)", "", results.markdown_table(diff_header, diffs),
          ""] if diffs else []),
       "## Accuracy against RL step", "", f"![accuracy]({png('accuracy_vs_step')})", "",

@@ -186,8 +186,8 @@ def test_the_results_page_pairs_each_method_with_grpo_by_hand(tmp_path):
     for step in range(1, 5):
       tokens = 30.0 + step + (0.5 if method == "pbsd" and parts[seed] and
                               step >= parts[seed] else 0.0)
-      row = {"stage": "rl", "step": step, "accuracy": 0.25, "mean_turns": 3.0,
-             "mean_action_tokens": tokens, "searches": 2.0}
+      row = {"stage": "rl", "step": step, "accuracy": 0.75 if tokens % 1 else 0.25,
+             "mean_turns": 3.0, "mean_action_tokens": tokens, "searches": 2.0}
       if method == "pbsd":
         low, high = weights[(method, seed)][step % 2]
         row |= {"credit/weight_min": low, "credit/weight_max": high}
@@ -207,7 +207,10 @@ def test_the_results_page_pairs_each_method_with_grpo_by_hand(tmp_path):
   # Mean accuracy over steps 0-4: seed 0 (0.25 + 0.5) / 2 vs (0.25 + 0.75) / 2 -> +12.5;
   # seed 1: 0.
   assert cells[4] == "+6.2 (seeds +0.0 .. +12.5)"
-  assert cells[5] == "3 / never"
+  # Training rollouts over steps 1-4: seed 0's PBSD solves 0.75 from step 3 on, GRPO 0.25:
+  # (0.25 + 0.5 + 0.75) / 3 - 0.25 -> +25; seed 1: 0.
+  assert cells[5] == "+12.5 (seeds +0.0 .. +25.0)"
+  assert cells[6] == "3 / never"
   credit = [line for line in text.splitlines() if line.startswith(("| GRPO | ", "| PBSD | "))
             and line.count("|") > 12]
   assert [line.rsplit("|", 2)[1].strip() for line in credit] == ["-", "0.920 .. 1.070"]
