@@ -20,13 +20,13 @@ re-running skips finished runs and evaluations (a split added later is evaluated
 it: accuracy (mean and spread over seeds); the difference of each method and variant from GRPO
 paired by seed (greedy, top-p and pass@k with a bootstrap interval over questions, the mean
 accuracy over the RL steps of the validation and of the training rollouts, and the step at
-which its rollouts first differ from GRPO's); accuracy against step, the dynamics of PBSD and GRPO, pass@k, the credit AUCs
-(`pbsd_jax.rl.credit_quality`) and the range of the turn weights. `--ablations` adds the
-paper's Table 3 as PBSD variants (`ABLATIONS`: delta, the deadband, the turn reduction, the
-clip, and on an MoE model replayed routing), each in its own `<variant>_seed<s>` runs,
-tabulated against PBSD; `all` is every variant the model can run. Every run's config is checked before the SFT
-starts. The PNGs are named after the page (`results.md` -> `results_*.png`), so pages of two
-comparisons can share a folder:
+which its rollouts first differ from GRPO's); accuracy against step, the dynamics of PBSD and
+GRPO, pass@k, the credit AUCs (`pbsd_jax.rl.credit_quality`) and the range of the turn
+weights. `--ablations` adds the paper's Table 3 as PBSD variants (`ABLATIONS`: delta, the
+deadband, the turn reduction, the clip, and on an MoE model replayed routing), each in its
+own `<variant>_seed<s>` runs, tabulated against PBSD; `all` is every variant the model can
+run. Every run's config is checked before the SFT starts. The PNGs are named after the page
+(`results.md` -> `results_*.png`), so pages of two comparisons can share a folder:
 
   python scripts/compare.py --workdir=workdir/compare_moe --config.model.name=tiny-moe \
       --methods=pbsd --ablations=pbsd-replay --results=docs/results_moe.md
@@ -262,6 +262,8 @@ def write_results(path, evals, runs, methods, config, minutes, ablations=()):
   def curve_difference(method, stage):
     d = 100 * np.asarray([curve_mean(method, s, stage) - curve_mean("grpo", s, stage)
                           for s in seeds])
+    if np.isnan(d).any():  # no such rows (e.g. eval.every=0)
+      return "-"
     return f"{d.mean():+.1f} (seeds {d.min():+.1f} .. {d.max():+.1f})"
   def leaves_grpo(method):
     steps = [results.first_divergence(runs[("grpo", s)], runs[(method, s)]) for s in seeds]

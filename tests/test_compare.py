@@ -1,5 +1,6 @@
 """scripts/compare.py and its statistics (pbsd_jax.eval.results)."""
 
+import functools
 import importlib.util
 import json
 import os
@@ -50,6 +51,7 @@ def test_curve_mean_is_the_area_over_the_span_of_steps():
   assert results.curve_mean(np.array([0, 2, 3]), np.array([0.2, 0.4, 1.0])) == pytest.approx(
       1.3 / 3)
   assert results.curve_mean(np.array([5]), np.array([0.7])) == 0.7
+  assert np.isnan(results.curve_mean(np.array([]), np.array([])))  # eval.every=0: no rows
 
 
 def test_first_divergence_is_the_first_rl_step_whose_rollouts_differ(tmp_path):
@@ -150,7 +152,8 @@ def test_compare_trains_every_method_and_seed_from_one_sft_and_tabulates_them(co
                     for run in runs}
 
 
-def _compare_module():
+@functools.cache
+def _compare_module():  # once: the script defines its absl flags when loaded
   spec = importlib.util.spec_from_file_location("compare", os.path.join(ROOT, "scripts",
                                                                         "compare.py"))
   module = importlib.util.module_from_spec(spec)
@@ -214,6 +217,17 @@ def test_the_results_page_pairs_each_method_with_grpo_by_hand(tmp_path):
   credit = [line for line in text.splitlines() if line.startswith(("| GRPO | ", "| PBSD | "))
             and line.count("|") > 12]
   assert [line.rsplit("|", 2)[1].strip() for line in credit] == ["-", "0.920 .. 1.070"]
+  # Runs without validation rows (eval.every=0): that column says so, the others stand.
+  for path in runs.values():
+    kept = [line for line in open(path) if '"eval"' not in line]
+    with open(path, "w") as f:
+      f.writelines(kept)
+  page = _compare_module().write_results(str(tmp_path / "page.md"), evals, runs,
+                                         ["grpo", "pbsd"], demo.get_config(), minutes=1.0)
+  row = next(line for line in open(page).read().splitlines()
+             if line.startswith("| PBSD - GRPO |"))
+  assert [c.strip() for c in row.strip("|").split("|")][4:] == [
+      "-", "+12.5 (seeds +0.0 .. +25.0)", "3 / never"]
 
 
 def test_the_results_notebook_draws_a_compare_workdir(comparison, tmp_path):

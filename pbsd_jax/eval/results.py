@@ -109,10 +109,11 @@ def metric_series(metrics_path: str, stage: str, key: str) -> tuple[np.ndarray, 
 
 def curve_mean(steps: np.ndarray, values: np.ndarray) -> float:
   """The area under a curve divided by its span of steps (trapezoids; a curve of one point
-  is its value): the mean accuracy over a run, comparable between runs of equal length."""
+  is its value, one of none NaN): the mean accuracy over a run, comparable between runs of
+  equal length."""
   steps, values = np.asarray(steps, np.float64), np.asarray(values, np.float64)
-  if steps.size == 1:
-    return float(values[0])
+  if steps.size <= 1:
+    return float(values[0]) if steps.size else float("nan")
   area = np.sum((values[1:] + values[:-1]) / 2 * np.diff(steps))
   return float(area / (steps[-1] - steps[0]))
 
