@@ -325,8 +325,8 @@ def write_results(path, evals, runs, methods, config, minutes, ablations=()):
               "frac_evidence_pos", "mean_abs_evidence", "auc_evidence_value",
               "auc_evidence_value_answer_shown", "auc_evidence_value_answer_hidden",
               "frac_progress")
-      eval_credit.append([method.upper()] + [
-          f"{float(results.nanmean([g.get(k, np.nan) for g in got])):.3f}" for k in keys])
+      means = [float(results.nanmean([g.get(k, np.nan) for g in got])) for k in keys]
+      eval_credit.append([method.upper()] + ["-" if np.isnan(m) else f"{m:.3f}" for m in means])
 
   # Table 3: PBSD's variants, each paired with PBSD by seed.
   mean_metric = lambda method, key: results.nanmean([results.nanmean(

@@ -179,6 +179,12 @@ def test_the_results_page_pairs_each_method_with_grpo_by_hand(tmp_path):
            ("grpo", 1): evaluation([1, 0, 0, 0], [[1, 1], [0, 0], [0, 0], [0, 0]]),
            ("pbsd", 0): evaluation([1, 1, 1, 0], [[1, 1], [1, 0], [1, 0], [0, 0]]),
            ("pbsd", 1): evaluation([1, 0, 0, 0], [[1, 1], [0, 0], [0, 0], [1, 0]])}
+  # PBSD's evidence on validation: a key an evaluation lacks (an older evaluation's answer
+  # split, GRPO's evidence) is left out of the mean, and "-" where no seed has it.
+  evals[("sft", 0)]["validation"]["top_p"]["credit"] = {"auc_evidence": 0.6}
+  evals[("pbsd", 0)]["validation"]["top_p"]["credit"] = {
+      "auc_evidence": 0.5, "auc_evidence_value_answer_shown": 0.8}
+  evals[("pbsd", 1)]["validation"]["top_p"]["credit"] = {"auc_evidence": 0.7}
   curves = {("grpo", 0): [0.0, 0.5, 0.5], ("grpo", 1): [0.0, 0.25, 0.25],
             ("pbsd", 0): [0.0, 0.5, 1.0], ("pbsd", 1): [0.0, 0.25, 0.25]}
   parts = {0: 3, 1: None}  # the step each seed's PBSD rollouts leave GRPO's
@@ -217,6 +223,10 @@ def test_the_results_page_pairs_each_method_with_grpo_by_hand(tmp_path):
   credit = [line for line in text.splitlines() if line.startswith(("| GRPO | ", "| PBSD | "))
             and line.count("|") > 12]
   assert [line.rsplit("|", 2)[1].strip() for line in credit] == ["-", "0.920 .. 1.070"]
+  on_validation = [[c.strip() for c in line.strip("|").split("|")]
+                   for line in text.splitlines() if line.count("|") == 12]
+  assert on_validation[2:] == [["SFT", "0.600"] + ["-"] * 9,
+                               ["PBSD", "0.600"] + ["-"] * 6 + ["0.800", "-", "-"]]
   # Runs without validation rows (eval.every=0): that column says so, the others stand.
   for path in runs.values():
     kept = [line for line in open(path) if '"eval"' not in line]
