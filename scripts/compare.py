@@ -20,9 +20,9 @@ re-running skips finished runs and evaluations (a split added later is evaluated
 it: accuracy (mean and spread over seeds); the difference of each method and variant from GRPO
 paired by seed (greedy, top-p and pass@k with a bootstrap interval over questions, the mean
 accuracy over the RL steps of the validation and of the training rollouts, and the step at
-which its rollouts first differ from GRPO's); accuracy against step, the dynamics of PBSD and
-GRPO, pass@k, the credit AUCs (`pbsd_jax.rl.credit_quality`) and the range of the turn
-weights. `--ablations` adds the paper's Table 3 as PBSD variants (`ABLATIONS`: delta, the
+which its rollouts first differ from GRPO's); accuracy against step (greedy validation and
+training rollouts), the dynamics of PBSD and GRPO, pass@k, the credit AUCs
+(`pbsd_jax.rl.credit_quality`) and the range of the turn weights. `--ablations` adds the paper's Table 3 as PBSD variants (`ABLATIONS`: delta, the
 deadband, the turn reduction, the clip, and on an MoE model replayed routing), each in its
 own `<variant>_seed<s>` runs, tabulated against PBSD; `all` is every variant the model can
 run. Every run's config is checked before the SFT starts. The PNGs are named after the page
@@ -285,6 +285,10 @@ def write_results(path, evals, runs, methods, config, minutes, ablations=()):
       {"greedy validation accuracy (mean over seeds)":
        {m.upper(): curve(m, "eval", "accuracy") for m in methods}},
       os.path.join(out_dir, png("accuracy_vs_step")))
+  results.plot_panels(
+      {"training rollouts' accuracy (mean over seeds)":
+       {m.upper(): curve(m, "rl", "accuracy") for m in [*methods, *ablations]}},
+      os.path.join(out_dir, png("training_accuracy")), smooth_window=5)
   pair = [m for m in ("grpo", "pbsd") if m in methods]
   dynamics = {"mean turns": "mean_turns", "generated tokens": "mean_action_tokens",
               "teacher > student (fraction of turns)": "credit/frac_evidence_pos",
@@ -305,7 +309,7 @@ def write_results(path, evals, runs, methods, config, minutes, ablations=()):
                  "credit/frac_evidence_pos", "credit/mean_abs_evidence",
                  "credit/auc_weight_value", "credit/auc_evidence_value", "credit/frac_progress"]
   credit_rows = []
-  for method in methods:
+  for method in [*methods, *ablations]:
     row = [method.upper()]
     for key in credit_keys:
       value = results.nanmean([results.nanmean(results.metric_series(runs[(method, s)], "rl",
@@ -318,7 +322,7 @@ def write_results(path, evals, runs, methods, config, minutes, ablations=()):
                if np.isfinite(low).any() else "-")
     credit_rows.append(row)
   eval_credit = []
-  for method in ["sft", *methods]:
+  for method in ["sft", *methods, *ablations]:
     got = [r["validation"]["top_p"].get("credit") for r in rows_of(method)]
     if got[0] is not None:
       keys = ("auc_evidence", "auc_evidence_solved", "auc_evidence_failed", "frac_useful",
@@ -363,6 +367,8 @@ def write_results(path, evals, runs, methods, config, minutes, ablations=()):
          "rollouts first differ from GRPO's)", "", results.markdown_table(diff_header, diffs),
          ""] if diffs else []),
       "## Accuracy against RL step", "", f"![accuracy]({png('accuracy_vs_step')})", "",
+      "The training rollouts (sampled as the run trains; raw: faint, moving average of 5 "
+      "steps):", "", f"![training accuracy]({png('training_accuracy')})", "",
       "## Dynamics, PBSD vs GRPO (raw: faint; moving average of 5 steps)", "",
       f"![dynamics]({png('dynamics')})", "",
       "## pass@k", "", f"![pass@k]({png('pass_at_k')})", "",

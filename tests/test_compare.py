@@ -135,6 +135,10 @@ def test_compare_trains_every_method_and_seed_from_one_sft_and_tabulates_them(co
   # Every method and variant is paired with GRPO (the values: the synthetic test below).
   assert re.search(r"\| PBSD - GRPO \| [+-]\d+\.\d \[", text)
   assert re.search(r"\| PBSD-SUM - GRPO \| [+-]\d+\.\d \[", text)
+  # and has a row of its own in the credit table, with its turn weights' range.
+  (credit,) = [line for line in text.splitlines()
+               if line.startswith("| PBSD-SUM | ") and line.count("|") == 15]
+  assert re.fullmatch(r"\d\.\d{3} \.\. \d\.\d{3}", credit.rsplit("|", 2)[1].strip())
   # The ablation ran PBSD with its own setting, and is tabulated against PBSD.
   with open(os.path.join(workdir, "pbsd-sum_seed0", "run_config.json")) as f:
     ablated = json.load(f)
@@ -142,7 +146,8 @@ def test_compare_trains_every_method_and_seed_from_one_sft_and_tabulates_them(co
   acc = [100 * evals[f"pbsd-sum_seed{s}"]["validation"]["greedy"]["accuracy"] for s in (0, 1)]
   assert re.search(rf"\| pbsd-sum \| turn reduction sum [^|]*\| {np.mean(acc):.1f} ± "
                    rf"{np.std(acc, ddof=1):.1f} \|", text)
-  for png in ("results_accuracy_vs_step.png", "results_dynamics.png", "results_pass_at_k.png"):
+  for png in ("results_accuracy_vs_step.png", "results_training_accuracy.png",
+              "results_dynamics.png", "results_pass_at_k.png"):
     assert os.path.getsize(os.path.join(os.path.dirname(page), png)) > 0
   # A second invocation trains and evaluates nothing again.
   stamps = {run: os.path.getmtime(os.path.join(workdir, run, "final_eval.json"))
