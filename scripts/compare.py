@@ -22,11 +22,12 @@ paired by seed (greedy, top-p and pass@k with a bootstrap interval over question
 accuracy over the RL steps of the validation and of the training rollouts, and the step at
 which its rollouts first differ from GRPO's); accuracy against step (greedy validation and
 training rollouts), the dynamics of PBSD and GRPO, pass@k, the credit AUCs
-(`pbsd_jax.rl.credit_quality`) and the range of the turn weights. `--ablations` adds the paper's Table 3 as PBSD variants (`ABLATIONS`: delta, the
-deadband, the turn reduction, the clip, and on an MoE model replayed routing), each in its
-own `<variant>_seed<s>` runs, tabulated against PBSD; `all` is every variant the model can
-run. Every run's config is checked before the SFT starts. The PNGs are named after the page
-(`results.md` -> `results_*.png`), so pages of two comparisons can share a folder:
+(`pbsd_jax.rl.credit_quality`) and the range of the turn weights. `--ablations` adds the
+paper's Table 3 as PBSD variants (`ABLATIONS`: delta, the deadband, the turn reduction, the
+clip, and on an MoE model replayed routing), each in its own `<variant>_seed<s>` runs,
+tabulated against PBSD; `all` is every variant the model can run. Every run's config is
+checked before the SFT starts. The PNGs are named after the page (`results.md` ->
+`results_*.png`), so pages of two comparisons can share a folder:
 
   python scripts/compare.py --workdir=workdir/compare_moe --config.model.name=tiny-moe \
       --methods=pbsd --ablations=pbsd-replay --results=docs/results_moe.md
@@ -308,13 +309,14 @@ def write_results(path, evals, runs, methods, config, minutes, ablations=()):
                  "credit/auc_evidence_failed", "credit/frac_useful",
                  "credit/frac_evidence_pos", "credit/mean_abs_evidence",
                  "credit/auc_weight_value", "credit/auc_evidence_value", "credit/frac_progress"]
+  three = lambda value: "-" if np.isnan(value) else f"{value:.3f}"  # a mean that no run has
   credit_rows = []
   for method in [*methods, *ablations]:
     row = [method.upper()]
     for key in credit_keys:
       value = results.nanmean([results.nanmean(results.metric_series(runs[(method, s)], "rl",
                                                                       key)[1]) for s in seeds])
-      row.append("-" if np.isnan(value) else f"{value:.3f}")
+      row.append(three(value))
     low, high = (np.concatenate([results.metric_series(runs[(method, s)], "rl",
                                                        f"credit/weight_{key}")[1]
                                  for s in seeds]) for key in ("min", "max"))
@@ -329,8 +331,8 @@ def write_results(path, evals, runs, methods, config, minutes, ablations=()):
               "frac_evidence_pos", "mean_abs_evidence", "auc_evidence_value",
               "auc_evidence_value_answer_shown", "auc_evidence_value_answer_hidden",
               "frac_progress")
-      means = [float(results.nanmean([g.get(k, np.nan) for g in got])) for k in keys]
-      eval_credit.append([method.upper()] + ["-" if np.isnan(m) else f"{m:.3f}" for m in means])
+      eval_credit.append([method.upper()] + [
+          three(results.nanmean([g.get(k, np.nan) for g in got])) for k in keys])
 
   # Table 3: PBSD's variants, each paired with PBSD by seed.
   mean_metric = lambda method, key: results.nanmean([results.nanmean(

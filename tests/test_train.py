@@ -301,9 +301,9 @@ def test_the_generator_fields_make_the_dataset_and_a_made_one_must_match(tmp_pat
 
 
 def test_the_long_horizon_config_trains_at_test_size(tmp_path):
-  """configs/long_horizon.py as shipped (its world, 8-hop chains, slips, 10 turns, 1,024 slots, the
-  demo's optimiser and update) with the micro model and few questions, trained with oracle
-  credit (its RL step reads the rollouts' turn values) on two devices."""
+  """configs/long_horizon.py as shipped (its world, 8-hop chains, slips, 10 turns, 1,024
+  slots, the demo's optimiser and update) with the micro model and few questions, trained with
+  oracle credit (its RL step reads the rollouts' turn values) on two devices."""
   small = [f for f in SMALL if f.split("=")[0] not in (
       "--config.env.buffer_size", "--config.env.max_turns", "--config.optim.lr",
       "--config.sft.schedule", "--config.data.prompt_width")]

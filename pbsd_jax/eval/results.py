@@ -112,8 +112,10 @@ def curve_mean(steps: np.ndarray, values: np.ndarray) -> float:
   is its value, one of none NaN): the mean accuracy over a run, comparable between runs of
   equal length."""
   steps, values = np.asarray(steps, np.float64), np.asarray(values, np.float64)
-  if steps.size <= 1:
-    return float(values[0]) if steps.size else float("nan")
+  if steps.size == 0:
+    return float("nan")
+  if steps.size == 1:
+    return float(values[0])
   area = np.sum((values[1:] + values[:-1]) / 2 * np.diff(steps))
   return float(area / (steps[-1] - steps[0]))
 
