@@ -1,6 +1,7 @@
 """Credit quality: turn labels from the gold chain, the rank AUC, and the metrics of an RL step."""
 
 import dataclasses
+import fractions
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -216,7 +217,7 @@ def _reference_values(kind, doc, gold, reward, starts, buffer, max_turns):
   c = (sum(reward[b] > 0 for b, _ in full) + 1) / (len(full) + 2)
   spans = [starts[b][k + 1] - starts[b][k] for b in range(b_rows) for k in range(max_turns - 1)
            if taken(b, k) and taken(b, k + 1)]
-  per_turn = max(sum(spans) / max(len(spans), 1), 1.0)
+  per_turn = max(fractions.Fraction(sum(spans), max(len(spans), 1)), 1)
 
   def v(b, p, t):
     if t <= 0:

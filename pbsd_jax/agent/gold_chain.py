@@ -180,11 +180,12 @@ def turn_values(turn_kind: Array, turn_doc: Array, gold_docs: Array, reward: Arr
   cols = jnp.arange(turn_ids.shape[1])
   start = jnp.min(jnp.where(turn_ids[:, None, :] == jnp.arange(k)[None, :, None],
                             cols, turn_ids.shape[1]), axis=2)  # [B, K]
-  spans = (start[:, 1:] - start[:, :-1]).astype(jnp.float32)
   both = taken[:, 1:] & taken[:, :-1]
-  per_turn = jnp.maximum(jnp.sum(jnp.where(both, spans, 0.0)) / jnp.maximum(jnp.sum(both), 1),
-                         1.0)
-  by_tokens = jnp.floor((turn_ids.shape[1] - start) / per_turn).astype(jnp.int32)
+  spans = jnp.sum(jnp.where(both, start[:, 1:] - start[:, :-1], 0))
+  count = jnp.sum(both)
+  # floor(tokens left / max(spans / count, 1)) in integers: a turn that fits exactly fits.
+  tokens_left = turn_ids.shape[1] - start
+  by_tokens = jnp.where(spans > count, tokens_left * count // jnp.maximum(spans, 1), tokens_left)
   # A turn being taken has itself at least.
   left = jnp.maximum(jnp.minimum(k - jnp.arange(k)[None, :], by_tokens), 1)  # [B, K]
 
