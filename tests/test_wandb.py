@@ -131,6 +131,41 @@ os.kill(os.getpid(), signal.SIGKILL)
   assert history == as_logged(_rows(str(tmp_path))) and len(history) == 3
 
 
+def test_a_transaction_log_cut_inside_a_record_reads_as_the_records_before_it(tmp_path):
+  # A log read while W&B writes it, or left by a kill, ends inside a record.
+  workdir = str(tmp_path)
+  log = MetricLog(workdir, OFFLINE, {})
+  for step in (1, 2, 3):
+    log.write("sft", step, {"loss": 1.0 / step})
+  log.close()
+  (path,) = glob.glob(os.path.join(workdir, "wandb", "offline-run-*", "*.wandb"))
+  with open(path, "rb") as f:
+    data = f.read()
+  full = offline_history(workdir, _run_id(workdir))
+  assert [row["sft/step"] for row in full] == [1, 2, 3]
+  # Each record (those of a log this short each fit in its first block) cut inside.
+  pos, ends = 7, []  # the ends of the history records
+  assert len(data) < 32768
+  while pos + 7 <= len(data):
+    _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+    if not length:
+      break
+    cuts = (pos + 3, pos + 7 + length // 2)
+    for cut in cuts:
+      with open(path, "wb") as f:
+        f.write(data[:cut])
+      assert offline_history(workdir, _run_id(workdir)) == full[:sum(e <= cut for e in ends)]
+    if kind == 1 and _is_history(data[pos + 7:pos + 7 + length]):
+      ends.append(pos + 7 + length)
+    pos += 7 + length
+  assert len(ends) == 3 and pos == len(data)  # every record, each history record, cut into
+
+
+def _is_history(payload):
+  from wandb.proto import wandb_internal_pb2
+  return wandb_internal_pb2.Record.FromString(payload).HasField("history")
+
+
 def test_a_run_without_wandb_makes_no_wandb_files(tmp_path):
   log = MetricLog(str(tmp_path))
   log.write("sft", 1, {"loss": 3.0})

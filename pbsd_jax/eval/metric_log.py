@@ -219,7 +219,9 @@ def offline_history(workdir: str, run_id: str) -> list[dict]:
   """The history rows an offline W&B run recorded in its transaction logs under
   `<workdir>/wandb` (every resumed segment, in the order they started): `{key: value}` with
   W&B's own `_step`. A log is a LevelDB log (32 KiB blocks of records, each after a 7-byte
-  header: CRC, length, type) of `wandb_internal_pb2.Record`s, after a 7-byte file header."""
+  header: CRC, length, type) of `wandb_internal_pb2.Record`s, after a 7-byte file header. A
+  log's torn tail (a record still being written, or cut by a kill) ends it."""
+  from google.protobuf.message import DecodeError
   from wandb.proto import wandb_internal_pb2
 
   rows = []
@@ -236,11 +238,14 @@ def offline_history(workdir: str, run_id: str) -> list[dict]:
         pos += _BLOCK - pos % _BLOCK
         continue
       _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-      if not length and not kind:
+      if not length and not kind or pos + 7 + length > len(data):
         break
       chunks, pos = chunks + data[pos + 7:pos + 7 + length], pos + 7 + length
       if kind in (_FULL, _LAST):
-        record = wandb_internal_pb2.Record.FromString(chunks)
+        try:
+          record = wandb_internal_pb2.Record.FromString(chunks)
+        except DecodeError:
+          break
         chunks = b""
         if record.HasField("history"):
           rows.append({"/".join(i.nested_key) or i.key: json.loads(i.value_json)
