@@ -19,9 +19,8 @@ PMASK = jnp.array([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1]], bool)
 
 
 def _samples(n, logits, **kw):
-  keys = jax.random.split(jax.random.key(0), n)
-  tok, _ = jax.vmap(lambda k: sample_token(k, logits, **kw))(keys)
-  return np.asarray(tok).reshape(-1)
+  draw = jax.jit(jax.vmap(lambda k, x: sample_token(k, x, **kw)[0], in_axes=(0, None)))
+  return np.asarray(draw(jax.random.split(jax.random.key(0), n), logits)).reshape(-1)
 
 
 def test_greedy_is_the_first_argmax_over_blocks_ties_and_padding():
@@ -217,8 +216,10 @@ def test_an_append_in_chunks_equals_a_plain_forward_over_the_whole_row():
   lengths = np.array([37, 4, 0])
   state = s.append(PARAMS, state, obs, jnp.asarray(lengths))
   np.testing.assert_array_equal(state.cursor, 5 + lengths)
-  last_logits = lambda row: Transformer(CONFIG).apply({"params": PARAMS},
-                                                      jnp.asarray(row)[None]).logits[0, -1]
+  # Right padding to one width: a causal row's logits do not see what follows them.
+  forward = jax.jit(lambda row: Transformer(CONFIG).apply({"params": PARAMS}, row[None]).logits)
+  last_logits = lambda row: np.asarray(forward(np.pad(row, (0, 64 - len(row)))))[
+      0, len(row) - 1]
   rows = []
   for b in range(3):
     row = np.concatenate([np.asarray(PROMPT[b])[np.asarray(PMASK[b])], obs[b, :lengths[b]]])
@@ -228,7 +229,7 @@ def test_an_append_in_chunks_equals_a_plain_forward_over_the_whole_row():
   state, _ = s.decode(PARAMS, state, jax.random.key(0), jnp.full((3,), 2), max_steps=2)
   for b, row in enumerate(rows):  # greedy continuations, each token from a full forward
     for _ in range(2):
-      row = np.append(row, int(jnp.argmax(last_logits(row))))
+      row = np.append(row, np.argmax(last_logits(row)))
     np.testing.assert_array_equal(np.asarray(state.tokens[b])[np.asarray(state.mask[b])], row)
 
 
