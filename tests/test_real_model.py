@@ -222,9 +222,10 @@ def test_train_kill_resume_and_evaluate_a_converted_model_through_the_server(wor
 
 def _two_hosts_over_a_dense_server(world, tmp_path, sft_dir):
   """docs/search_r1.md's several-host commands: a dense index (`build_index.py --encoder`,
-  a tiny BERT written by `transformers`) served by `serve_retriever.py --backend=dense`, an RL
-  step from `sft_dir` and an evaluation, each as 2 processes joined over gloo: every process
-  searches its own rows, process 0 writes."""
+  a tiny BERT written by `transformers`) served by `serve_retriever.py --backend=dense`, and an
+  RL step from `sft_dir` with validation before and after it, as 2 processes joined over gloo:
+  every process searches its own rows, process 0 writes. (`scripts/evaluate.py` on 2
+  processes: test_multihost.)"""
   from test_dense_retriever import _write_encoder
   from test_multihost import _free_port, _processes, _wait
   words = sorted({w.lower() for d in DOCUMENTS for w in re.findall(r"[A-Za-z]+", " ".join(d))})
@@ -252,20 +253,6 @@ def _two_hosts_over_a_dense_server(world, tmp_path, sft_dir):
     assert rl["searches"] > 0 and rl["failed_searches"] == 0
     assert rl["retrieval/calls"] >= 2  # both processes asked the server
     assert [r["step"] for r in rows if r["stage"] == "eval"] == [0, 1]
-    port = _free_port()
-    evaluate = [os.path.join("scripts", "evaluate.py"), "--config=configs/search_r1.py",
-                f"--ckpt_dir={workdir}/ckpt_rl", f"--splits={world['questions']}",
-                "--samples=2", "--num_examples=8", "--batch_size=16",
-                f"--config.model.init_dir={world['ckpt']}",
-                f"--config.data.train_files={world['questions']}", f"--config.env.url={url}",
-                *SMALL]
-    codes, outs = _wait([_run([*evaluate, *_processes(port, i)], wait=False)
-                         for i in range(2)])
-    assert codes == [0, 0], outs[0][-2000:] + outs[1][-2000:]
-    assert "wrote" in outs[0] and "wrote" not in outs[1]
-    with open(os.path.join(workdir, "eval_ckpt_rl_step1.json")) as f:
-      result = json.load(f)["splits"][world["questions"]]
-    assert result["top_p"]["num_questions"] == 8 and result["top_p"]["samples_per_question"] == 2
   finally:
     server.send_signal(signal.SIGTERM)
     server.wait(timeout=30)
