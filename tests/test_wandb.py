@@ -24,7 +24,7 @@ def wandb_records(workdir):
   for path in sorted(glob.glob(os.path.join(workdir, "wandb", "offline-run-*", "*.wandb"))):
     with open(path, "rb") as f:
       data = f.read()
-    for record in _records(data):
+    for _, _, record in _records(data):
       if record.HasField("run"):
         ids.append(record.run.run_id)
         config |= {u.key: json.loads(u.value_json) for u in record.run.config.update}
@@ -35,14 +35,15 @@ def wandb_records(workdir):
 
 
 def _records(data):
-  """The `Record`s of a transaction log whose records each fit in one block (the run
-  records read here do)."""
+  """`(start, end, Record)` of each FULL record of a transaction log whose records each fit in
+  one block (the run records read here do); `start` is its header's offset."""
   from wandb.proto import wandb_internal_pb2
   pos = 7
   while pos + 7 <= len(data):
     _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
     if kind == 1:  # FULL
-      yield wandb_internal_pb2.Record.FromString(data[pos + 7:pos + 7 + length])
+      yield pos, pos + 7 + length, wandb_internal_pb2.Record.FromString(
+          data[pos + 7:pos + 7 + length])
     if not length:
       return
     pos += 7 + length
@@ -143,27 +144,20 @@ def test_a_transaction_log_cut_inside_a_record_reads_as_the_records_before_it(tm
     data = f.read()
   full = offline_history(workdir, _run_id(workdir))
   assert [row["sft/step"] for row in full] == [1, 2, 3]
-  # Each record (those of a log this short each fit in its first block) cut inside.
-  pos, ends = 7, []  # the ends of the history records
+  # Each record (those of a log this short each fit in its first block) cut inside: in its
+  # header and in its payload.
   assert len(data) < 32768
-  while pos + 7 <= len(data):
-    _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
-    if not length:
-      break
-    cuts = (pos + 3, pos + 7 + length // 2)
-    for cut in cuts:
+  records = list(_records(data))
+  ends = [end for _, end, record in records if record.HasField("history")]
+  assert len(ends) == 3
+  # Every record of the file is one of them (all FULL, end to end).
+  assert [start for start, _, _ in records] == [7] + [end for _, end, _ in records[:-1]]
+  assert records[-1][1] == len(data)
+  for start, end, _ in records:
+    for cut in (start + 3, (start + 7 + end) // 2):
       with open(path, "wb") as f:
         f.write(data[:cut])
       assert offline_history(workdir, _run_id(workdir)) == full[:sum(e <= cut for e in ends)]
-    if kind == 1 and _is_history(data[pos + 7:pos + 7 + length]):
-      ends.append(pos + 7 + length)
-    pos += 7 + length
-  assert len(ends) == 3 and pos == len(data)  # every record, each history record, cut into
-
-
-def _is_history(payload):
-  from wandb.proto import wandb_internal_pb2
-  return wandb_internal_pb2.Record.FromString(payload).HasField("history")
 
 
 def test_a_run_without_wandb_makes_no_wandb_files(tmp_path):
