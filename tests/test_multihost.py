@@ -51,12 +51,12 @@ def _free_port():
     return s.getsockname()[1]
 
 
-def _pair(kg, workdir, port, *extra, evaluate=True):
-  """Two processes of one run, 4 fake CPU devices each, the 2x2x2 mesh over all 8; with
-  `evaluate`, the run evaluates as it trains and saves its rollouts (`EVAL`)."""
+def _pair(kg, workdir, port, *extra):
+  """Two processes of one run, 4 fake CPU devices each, the 2x2x2 mesh over all 8; the run
+  evaluates as it trains and saves its rollouts (`EVAL`)."""
   data_dir = os.path.dirname(kg.paths["spm_model"])
-  return [_train(workdir, data_dir, *OPSD, *MESH, *(EVAL if evaluate else ()),
-                 *_processes(port, i), *extra, wait=False, devices=4) for i in range(2)]
+  return [_train(workdir, data_dir, *OPSD, *MESH, *EVAL, *_processes(port, i), *extra,
+                 wait=False, devices=4) for i in range(2)]
 
 
 def _processes(port, i):
