@@ -103,6 +103,7 @@ def _before(after: Array) -> Array:
   return jnp.concatenate([jnp.zeros_like(after[:, :1]), after[:, :-1]], axis=1)
 
 
+@jax.jit
 def progress(turn_doc: Array, gold_docs: Array) -> tuple[Array, Array]:
   """`(before, after)`, `i32[B, K]` each: how far along its gold chain a row has read before
   and after each turn (module docstring). Arguments as in `turn_labels`."""
@@ -110,6 +111,7 @@ def progress(turn_doc: Array, gold_docs: Array) -> tuple[Array, Array]:
   return _before(after), after
 
 
+@jax.jit
 def answer_shown(turn_doc: Array, gold_docs: Array) -> Array:
   """`bool[B, K]`: whether the answer was in the context before each turn, i.e. an earlier
   search showed the chain's last document (the one whose fact names the answer), in or out
