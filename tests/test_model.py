@@ -26,6 +26,7 @@ MOE = ModelConfig(vocab_size=61, hidden_size=32, num_layers=2, num_heads=4, num_
                   expert_mlp_dim=24)
 
 
+@jax.jit
 def _randomize(params, seed=0):
   """Random values everywhere (norm scales and biases too), so a wrong mapping shows."""
   leaves, tree = jax.tree.flatten(params)

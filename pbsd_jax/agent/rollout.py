@@ -101,20 +101,31 @@ class Rollout:
   @property
   def mask(self) -> Array:
     """`bool[B, T]` real tokens: the prompt's and the trajectory's."""
-    cols = jnp.arange(self.tokens.shape[1])[None, :]
-    return ((cols >= self.prompt_width - self.prompt_length[:, None])
-            & (cols < self.length[:, None]))
+    return _real_tokens(self)
 
   @property
   def observation_mask(self) -> Array:
     """`bool[B, T]` environment-written trajectory tokens (never trained on)."""
-    cols = jnp.arange(self.tokens.shape[1])[None, :]
-    return self.mask & (cols >= self.prompt_width) & ~self.action_mask
+    return _observation_tokens(self)
 
   @property
   def num_action_tokens(self) -> Array:
     """`i32[B]` tokens the policy generated."""
     return jnp.sum(self.action_mask, axis=1)
+
+
+# The masks as one program each: host code (saving, evaluation) reads them outside a jitted step.
+@jax.jit
+def _real_tokens(rollout: Rollout) -> Array:
+  cols = jnp.arange(rollout.tokens.shape[1])[None, :]
+  return ((cols >= rollout.prompt_width - rollout.prompt_length[:, None])
+          & (cols < rollout.length[:, None]))
+
+
+@jax.jit
+def _observation_tokens(rollout: Rollout) -> Array:
+  cols = jnp.arange(rollout.tokens.shape[1])[None, :]
+  return _real_tokens(rollout) & (cols >= rollout.prompt_width) & ~rollout.action_mask
 
 
 @struct.dataclass
