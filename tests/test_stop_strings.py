@@ -73,13 +73,15 @@ def _first_stop(vocab, ids, stops=STOPS):
 
 
 @functools.partial(jax.jit, static_argnums=())
-def _device_first_stop(table, ids):
-  """`advance` over one row's tokens: the first step where a string occurs, and which."""
+@jax.jit
+def _device_first_stop(table, ids, length):
+  """`advance` over one row's first `length` tokens (`ids` padded to any width): the first
+  step where a string occurs, and which."""
   def step(state, token):
     state, occurred = stop_strings.advance(table, state, token[None])
     return state, occurred[0]
   _, occurred = jax.lax.scan(step, stop_strings.start_state(table, 1), ids)
-  hit = jnp.any(occurred, -1)
+  hit = jnp.any(occurred, -1) & (jnp.arange(ids.shape[0]) < length)
   n = jnp.where(jnp.any(hit), jnp.argmax(hit) + 1, -1)
   return n, jnp.where(jnp.any(hit), jnp.argmax(occurred[jnp.argmax(hit)]), -1)
 
@@ -128,7 +130,9 @@ def test_the_device_matcher_stops_where_decode_and_search_does(which, bpe, metas
   def check(ids):
     ids = [i for i in ids if i not in (vocab.eos_id, vocab.pad_id)] or [ids[0]]
     want_n, want_i = _first_stop(vocab, ids)
-    n, i = (int(x) for x in _device_first_stop(table, jnp.asarray(ids, jnp.int32)))
+    padded = np.zeros(48, np.int32)  # every sequence's width: one program
+    padded[:len(ids)] = ids
+    n, i = (int(x) for x in _device_first_stop(table, padded, len(ids)))
     assert (n, i) == (want_n or -1, want_i), (ids, _decode(vocab, ids))
     if want_n is None:
       seen["never"] += 1
