@@ -65,6 +65,7 @@ def gold_doc_batch(records: Sequence[Mapping], width: int) -> np.ndarray:
   return out
 
 
+@jax.jit
 def turn_labels(turn_kind: Array, turn_doc: Array, gold_docs: Array) -> Array:
   """`i32[B, K]` label of every turn (module docstring).
 
@@ -154,6 +155,7 @@ def _rate(hits: Array, trials: Array) -> Array:
   return (jnp.sum(hits, axis=-1) + 1.0) / (jnp.sum(trials, axis=-1) + 2.0)
 
 
+@jax.jit
 def turn_values(turn_kind: Array, turn_doc: Array, gold_docs: Array, reward: Array,
                 turn_ids: Array) -> Array:
   """`f32[B, K]` each turn's value, the change it makes to the chance of success (module

@@ -22,6 +22,7 @@ from pbsd_jax.rl import credit
 Array = jax.Array
 
 
+@jax.jit
 def roc_auc(score: Array, positive: Array, valid: Array) -> Array:
   """ROC AUC of `score` for `positive` vs. not, over the `valid` entries (any shape).
 
