@@ -615,7 +615,6 @@ def test_tiled_attention_skips_the_causal_future_and_padding():
 def test_model_in_small_tiles_equals_one_tile_in_logits_and_gradient(monkeypatch):
   """The whole model with attention tiles of 3 x 4 (left- and right-padded rows) against the
   same model in one tile: logits and the gradient of the tokens' log-likelihood."""
-  from pbsd_jax.models import transformer
   params = _setup(QWEN3)
   tokens = jax.random.randint(jax.random.key(5), (3, 10), 0, QWEN3.vocab_size)
   mask = jnp.ones((3, 10), bool).at[1, :4].set(False).at[2, 6:].set(False)
