@@ -2,7 +2,6 @@
 byte-level BPE vocabulary (trained here by `tokenizers`, protocol tags several tokens each) and
 the embedded task's SentencePiece vocabulary."""
 
-import functools
 import json
 import re
 
@@ -72,7 +71,6 @@ def _first_stop(vocab, ids, stops=STOPS):
   return None, -1
 
 
-@functools.partial(jax.jit, static_argnums=())
 @jax.jit
 def _device_first_stop(table, ids, length):
   """`advance` over one row's first `length` tokens (`ids` padded to any width): the first

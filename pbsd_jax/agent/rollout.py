@@ -567,7 +567,6 @@ def label_turns(rollout: Rollout, gold_docs: Array) -> Rollout:
   """`rollout` with its turns labelled against the gold chain documents `gold_docs: i32[B, H]`
   (`gold_chain.gold_doc_batch`): `Rollout.turn_label` and `turn_value`, what the
   credit-quality metrics read. One program, also where it is called outside a jitted step."""
-  gold_docs = jnp.asarray(gold_docs)
   return rollout.replace(
       turn_label=gold_chain.turn_labels(rollout.turn_kind, rollout.turn_doc, gold_docs),
       turn_value=gold_chain.turn_values(rollout.turn_kind, rollout.turn_doc, gold_docs,
