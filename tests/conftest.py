@@ -1,9 +1,12 @@
-"""Test setup: 8 fake CPU devices (set before JAX is imported) so sharding tests are real."""
+"""Test setup: 8 fake CPU devices (set before JAX is imported) so sharding tests are real, and
+the tests' XLA flags (script_env)."""
 
 import os
 import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+from script_env import xla_flags  # imports no JAX
+
+os.environ.setdefault("XLA_FLAGS", xla_flags(8))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # XLA's compiled programs persist on disk, shared by the workers and every subprocess they

@@ -12,6 +12,7 @@ import pytest
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError
 
+from script_env import script_env
 from test_train import ROOT
 
 COLABS = os.path.join(ROOT, "colabs")
@@ -32,10 +33,9 @@ def execute_notebook(name, params, checks=None):
   if checks:
     nb.cells.append(nbformat.v4.new_code_cell(
         f"import json as _json\nprint({MARK!r} + _json.dumps({checks}, default=float))"))
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
   client = NotebookClient(nb, timeout=600, kernel_name="python3",
                           resources={"metadata": {"path": COLABS}})
-  client.execute(env={**env, "JAX_PLATFORMS": "cpu", "TF_CPP_MIN_LOG_LEVEL": "3"})
+  client.execute(env=script_env(TF_CPP_MIN_LOG_LEVEL="3"))
   if not checks:
     return nb, None
   out = "".join(o.get("text", "") for o in nb.cells[-1].outputs if o.output_type == "stream")

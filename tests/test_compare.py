@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from pbsd_jax.eval import results
+from script_env import script_env
 from test_colabs import execute_notebook
 from test_train import ROOT, SMALL
 
@@ -77,8 +78,7 @@ def _compare(workdir, data_dir, ood, results_md, *extra, check=True):
          "--config.eval.every=2", "--methods=grpo,pbsd", "--seeds=2", "--samples=2",
          "--batch_size=12", "--ablations=pbsd-sum",
          *([f"--ood={ood}"] if ood else []), f"--results={results_md}", *extra]
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-  proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+  proc = subprocess.run(cmd, env=script_env(), capture_output=True, text=True, timeout=900)
   if check:
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
   return proc
@@ -270,7 +270,7 @@ def test_an_ablation_the_model_cannot_run_fails_before_the_sft(kg, tmp_path):
   cmd = [sys.executable, os.path.join(ROOT, "scripts", "compare.py"), f"--workdir={tmp_path}",
          f"--config.data.dir={os.path.dirname(kg.paths['spm_model'])}", *SMALL,
          "--methods=pbsd", "--seeds=1", "--ablations=pbsd-replay"]
-  proc = subprocess.run(cmd, env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""},
+  proc = subprocess.run(cmd, env=script_env(),
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode != 0
   assert "config.pbsd.replay_routing=True: needs an MoE model" in proc.stdout + proc.stderr

@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 
+from script_env import script_env
 from test_train import ROOT, SMALL
 
 
@@ -22,8 +23,7 @@ def test_the_demo_trains_grpo_and_pbsd_from_one_sft_checkpoint_and_reports_both(
          f"--config.data.dir={os.path.dirname(kg.paths['spm_model'])}", *SMALL,
          "--config.eval.num_examples=8", "--config.eval.every=2", "--config.eval.sft_every=3",
          "--config.sft.schedule=cosine", "--config.sft.warmup_steps=1"]
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-  proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+  proc = subprocess.run(cmd, env=script_env(), capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
   last = proc.stdout.strip().splitlines()[-1]
   match = re.fullmatch(r"demo: validation accuracy SFT=([\d.]+)% GRPO=([\d.]+)% "

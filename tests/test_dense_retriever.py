@@ -19,6 +19,7 @@ import transformers
 from pbsd_jax.agent.env.dense_retriever import DenseRetriever, read_settings
 from pbsd_jax.agent.env.http import HttpRetriever, format_response
 from pbsd_jax.agent.env.sentence_encoder import SentenceEncoder
+from script_env import script_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The encoder is tiny: one thread is fastest, and the same thread count in this process and in
@@ -75,8 +76,8 @@ def _brute_force_embeddings(encoder_dir, texts):
 
 def _script(name, *args):
   """Runs scripts/<name> to completion; returns its output."""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "OMP_NUM_THREADS": "1"}
-  done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", name), *args], env=env,
+  done = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", name), *args],
+                        env=script_env(OMP_NUM_THREADS="1"),
                         cwd=ROOT, capture_output=True, text=True, timeout=300)
   assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
   return done.stdout
@@ -163,7 +164,7 @@ def test_server_answers_search_r1_requests_byte_for_byte(built_index):
   server = subprocess.Popen(
       [sys.executable, os.path.join(ROOT, "scripts", "serve_retriever.py"), "--backend=dense",
        f"--index_dir={built_index}", "--port=0", "--topk=3"],
-      env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "OMP_NUM_THREADS": "1"},
+      env=script_env(OMP_NUM_THREADS="1"),
       cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
   try:
     for line in server.stdout:  # log lines, then the address

@@ -16,6 +16,7 @@ from pbsd_jax.agent.env.http import HttpRetriever, RetrievalServer
 from pbsd_jax.agent.rollout import host_rollout
 from pbsd_jax.rl import evidence
 from pbsd_jax.run import train
+from script_env import script_env
 from test_rollout import _forced, _prompts, setup  # noqa: F401 (setup: a fixture)
 from test_train import SMALL, _final_params
 
@@ -24,8 +25,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 def _train(*args, timeout=120):
   cmd = [sys.executable, os.path.join(ROOT, "scripts", "train.py"), *args]
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-  proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
+  proc = subprocess.run(cmd, env=script_env(), capture_output=True, text=True, timeout=timeout,
                         cwd=ROOT)
   return proc.returncode, [line for line in proc.stderr.splitlines() if line.strip()]
 

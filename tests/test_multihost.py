@@ -31,6 +31,7 @@ from pbsd_jax.models import param_shapes
 from pbsd_jax.parallel import sharding
 from pbsd_jax.rl import train_state
 from pbsd_jax.run import checkpoint, run_config
+from script_env import script_env
 from test_configs import load
 from test_train import OPSD, ROOT, SMALL, _checkpoint, _metrics, _train
 
@@ -184,8 +185,7 @@ def _evaluate(kg, ckpt_dir, out, *extra, devices=1):
          f"--data_dir={os.path.dirname(kg.paths['spm_model'])}", "--splits=rl_validation",
          "--num_examples=4", "--samples=1", "--batch_size=4", "--config.env.max_turns=2",
          "--config.env.max_action_tokens=16", f"--out={out}", *extra]
-  flags = f"--xla_force_host_platform_device_count={devices}" if devices > 1 else ""
-  return subprocess.Popen(cmd, env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags},
+  return subprocess.Popen(cmd, env=script_env(devices),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -262,9 +262,8 @@ def test_a_mesh_that_does_not_fit_is_one_line_before_compiling(tmp_path, overrid
   cmd = [sys.executable, os.path.join(ROOT, "scripts", "train.py"),
          f"--workdir={tmp_path / 'w'}", "--config.data.dir=/nonexistent", *SMALL, *MESH,
          override]
-  env = {**os.environ, "JAX_PLATFORMS": "cpu",
-         "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-  proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120, cwd=ROOT)
+  proc = subprocess.run(cmd, env=script_env(8), capture_output=True, text=True, timeout=120,
+                        cwd=ROOT)
   lines = [line for line in proc.stderr.splitlines() if line.strip()]
   assert proc.returncode != 0
   assert len(lines) == 1 and lines[0].startswith(f"FATAL config error: {field}"), lines

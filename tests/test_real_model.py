@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from pbsd_jax import protocol
+from script_env import script_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -94,8 +95,7 @@ def _normalize(text):
 
 
 def _run(args, timeout=600, wait=True):
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-  proc = subprocess.Popen([sys.executable, *args], env=env, cwd=ROOT, text=True,
+  proc = subprocess.Popen([sys.executable, *args], env=script_env(), cwd=ROOT, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
   if wait:
     out, _ = proc.communicate(timeout=timeout)

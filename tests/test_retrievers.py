@@ -22,6 +22,7 @@ import threading
 import numpy as np
 import pytest
 
+from script_env import script_env
 from test_train import ROOT, _metrics
 
 # 30 SFT steps at a high learning rate (the micro model then searches), one RL step;
@@ -58,10 +59,9 @@ QUESTIONS = 4
 
 
 def _script(name, *args, devices=1):
-  flags = f"--xla_force_host_platform_device_count={devices}" if devices > 1 else ""
   done = subprocess.run(
       [sys.executable, os.path.join(ROOT, "scripts", name), *args], capture_output=True,
-      text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags})
+      text=True, timeout=600, env=script_env(devices))
   return done.returncode, done.stdout + done.stderr
 
 
@@ -223,8 +223,7 @@ def test_two_processes_each_search_their_own_rows_over_http(kg, runs, tmp_path):
     procs = [subprocess.Popen(
         [sys.executable, os.path.join(ROOT, "scripts", "train.py"), *config,
          *_processes(port, i)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "JAX_PLATFORMS": "cpu",
-             "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}) for i in range(2)]
+        env=script_env(4)) for i in range(2)]
     codes, outs = _wait(procs)
   assert codes == [0, 0], outs[0][-2000:] + outs[1][-2000:]
   _assert_close_runs(workdir, one)  # the RL and evaluation rows' samples, the parameters

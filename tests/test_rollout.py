@@ -16,6 +16,7 @@ from pbsd_jax.agent.tokenizer import Tokenizer
 from pbsd_jax.data import vocab as vocab_lib
 from pbsd_jax.generate.sampling import Sampler
 from pbsd_jax.models import ModelConfig, init_params
+from script_env import script_env
 
 P, MAX_TURNS, ACTION = 40, 6, 40
 FIELDS = ("tokens", "action_mask", "turn_ids", "num_turns", "length", "prompt_length",
@@ -433,7 +434,7 @@ def test_the_sparse_index_of_build_index_is_what_the_in_graph_run_searches(kg, s
       [sys.executable, os.path.join(root, "scripts", "build_index.py"),
        f"--corpus={kg.paths['corpus']}", f"--out={tmp_path / 'index'}",
        f"--tokenizer={kg.paths['spm_model']}", "--shards=8"],
-      capture_output=True, text=True, timeout=300, env={**os.environ, "XLA_FLAGS": ""})
+      capture_output=True, text=True, timeout=300, env=script_env())
   assert done.returncode == 0, done.stderr[-2000:]
   spec = load_spec("pbsd", f"--config.data.dir={os.path.dirname(kg.paths['spm_model'])}",
                    f"--config.env.index_dir={tmp_path / 'index'}")

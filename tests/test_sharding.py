@@ -17,6 +17,7 @@ import multiprocess_worker as mw
 from pbsd_jax.models.transformer import param_axes, param_shapes, param_shardings
 from pbsd_jax.parallel import sharding
 from pbsd_jax.rl import learner, train_state
+from script_env import script_env
 
 
 def test_make_mesh_names_axes_and_fills_the_free_size():
@@ -178,9 +179,9 @@ def test_two_processes_over_gloo_match_one_process(tmp_path):
   out = tmp_path / "two_process.npz"
   port = _free_port()
   worker = os.path.join(os.path.dirname(__file__), "multiprocess_worker.py")
-  env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
   procs = [subprocess.Popen([sys.executable, worker, str(i), "2", str(port), str(out)],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            env=script_env(4), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
            for i in range(2)]
   logs = []
   try:

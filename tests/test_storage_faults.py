@@ -23,6 +23,7 @@ import pytest
 
 from pbsd_jax.data import storage
 from pbsd_jax.eval.metric_log import MetricLog
+from script_env import script_env
 from test_train import OPSD, ROOT, SMALL, _checkpoint, _metrics, _train
 from test_workdir import _assert_trees_equal
 
@@ -215,8 +216,8 @@ def test_metric_rows_are_appended_whole_or_not_at_all_on_a_full_disk(tmp_path):
 
 
 def _script(name, *args):
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}
-  return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", name), *args], env=env,
+  return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", name), *args],
+                        env=script_env(),
                         capture_output=True, text=True, timeout=600)
 
 

@@ -10,6 +10,8 @@ import sys
 import numpy as np
 import pytest
 
+from script_env import script_env
+
 ROOT = os.path.join(os.path.dirname(__file__), "..")
 SMALL = ["--config.model.name=micro", "--config.sft.steps=4", "--config.sft.batch_size=4",
          "--config.sft.max_examples=16", "--config.rl.steps=3",
@@ -28,10 +30,8 @@ def _train(workdir, data_dir, *extra, wait=True, devices=1):
   cmd = [sys.executable, os.path.join(ROOT, "scripts", "train.py"),
          f"--config={os.path.join(ROOT, 'configs', 'pbsd.py')}", f"--workdir={workdir}",
          f"--config.data.dir={data_dir}", *SMALL, *extra]
-  flags = f"--xla_force_host_platform_device_count={devices}" if devices > 1 else ""
-  env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
-  proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True)
+  proc = subprocess.Popen(cmd, env=script_env(devices), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
   if wait:
     out, _ = proc.communicate(timeout=600)
     assert proc.returncode == 0, out[-3000:]
@@ -316,9 +316,7 @@ def test_the_long_horizon_config_trains_at_test_size(tmp_path):
          "--config.data.splits.rl_validation=8", "--config.data.splits.sft=32",
          "--config.data.splits.ood_per_tier=4", "--config.data.splits.ood_pool=6"]
   # On a mesh of two devices: the rows, the turn values and oracle credit split over them.
-  proc = subprocess.run(cmd, env={**os.environ, "JAX_PLATFORMS": "cpu",
-                                  "XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
-                        capture_output=True, text=True, timeout=900)
+  proc = subprocess.run(cmd, env=script_env(2), capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   with open(tmp_path / "data" / "manifest.json") as f:
     horizon = json.load(f)["horizon"]
@@ -336,7 +334,7 @@ def test_the_long_horizon_config_trains_at_test_size(tmp_path):
        f"--config={os.path.join(ROOT, 'configs', 'long_horizon.py')}",
        f"--ckpt_dir={tmp_path / 'run' / 'ckpt_sft'}", f"--config.data.dir={tmp_path / 'data'}",
        *cmd[5:], "--questions=4", "--continuations=2", f"--out={tmp_path / 'check.json'}"],
-      env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": ""}, capture_output=True,
+      env=script_env(), capture_output=True,
       text=True, timeout=900)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   with open(tmp_path / "check.json") as f:
