@@ -270,8 +270,7 @@ def test_an_ablation_the_model_cannot_run_fails_before_the_sft(kg, tmp_path):
   cmd = [sys.executable, os.path.join(ROOT, "scripts", "compare.py"), f"--workdir={tmp_path}",
          f"--config.data.dir={os.path.dirname(kg.paths['spm_model'])}", *SMALL,
          "--methods=pbsd", "--seeds=1", "--ablations=pbsd-replay"]
-  proc = subprocess.run(cmd, env=script_env(),
-                        capture_output=True, text=True, timeout=300)
+  proc = subprocess.run(cmd, env=script_env(), capture_output=True, text=True, timeout=300)
   assert proc.returncode != 0
   assert "config.pbsd.replay_routing=True: needs an MoE model" in proc.stdout + proc.stderr
   assert not os.path.exists(tmp_path / "ckpt_sft")

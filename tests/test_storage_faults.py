@@ -217,8 +217,7 @@ def test_metric_rows_are_appended_whole_or_not_at_all_on_a_full_disk(tmp_path):
 
 def _script(name, *args):
   return subprocess.run([sys.executable, os.path.join(ROOT, "scripts", name), *args],
-                        env=script_env(),
-                        capture_output=True, text=True, timeout=600)
+                        env=script_env(), capture_output=True, text=True, timeout=600)
 
 
 def test_evaluate_and_build_index_on_a_full_disk_leave_no_partial_output(kg, opsd_run,

@@ -334,8 +334,7 @@ def test_the_long_horizon_config_trains_at_test_size(tmp_path):
        f"--config={os.path.join(ROOT, 'configs', 'long_horizon.py')}",
        f"--ckpt_dir={tmp_path / 'run' / 'ckpt_sft'}", f"--config.data.dir={tmp_path / 'data'}",
        *cmd[5:], "--questions=4", "--continuations=2", f"--out={tmp_path / 'check.json'}"],
-      env=script_env(), capture_output=True,
-      text=True, timeout=900)
+      env=script_env(), capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
   with open(tmp_path / "check.json") as f:
     check = json.load(f)
