@@ -1,11 +1,13 @@
 """Every retriever through every script a user runs: `scripts/train.py` on a 2-device mesh with
 validation during RL (`eval.every`), then `scripts/evaluate.py` on its checkpoint on one device
-(once for the in-graph sparse indexes) and `scripts/stratify.py` for an in-graph and a host
+(once for the in-graph indexes) and `scripts/stratify.py` for an in-graph and a host
 retriever; the HTTP retriever also across 2 processes.
 
-The in-graph dense and sparse indexes, `scripts/build_index.py`'s sparse index and the host
-loop over the same token BM25 search the same documents for the same query tokens, so from one
-seed they sample the same episodes: their RL rows and evaluation outcomes must agree. `bm25s`
+The in-graph dense index, `scripts/build_index.py`'s sparse index and the host loop over the
+same token BM25 search the same documents for the same query tokens, so from one seed they
+sample the same episodes: their RL rows and evaluation outcomes must agree. (The sparse index
+built at start-up, `env.index=sparse`: test_train's routing test runs it through train.py,
+test_bm25 checks that it scores and ranks as the dense one.) `bm25s`
 ranks with its own tokenizer and the retrieval server receives the query as text, so those
 two are checked for having run each path and searched.
 """
@@ -38,7 +40,6 @@ SMALL = ["--config.model.name=micro", "--config.sft.steps=30", "--config.sft.lr=
 # The retrievers, each as its config overrides ({index_dir}, {url}: the fixture's).
 RETRIEVERS = {
     "ingraph_dense": [],
-    "ingraph_sparse": ["--config.env.index=sparse"],
     "ingraph_index_dir": ["--config.env.index_dir={index_dir}"],
     "host": ["--config.env.retriever=host"],
     "bm25s": ["--config.env.retriever=bm25s"],
@@ -48,10 +49,10 @@ RETRIEVERS = {
 pytestmark = pytest.mark.xdist_group("retrievers")
 
 # Search the same token BM25 (the corpus rendered and encoded as observations are).
-SAME_INDEX = ("ingraph_dense", "ingraph_sparse", "ingraph_index_dir", "host")
+SAME_INDEX = ("ingraph_dense", "ingraph_index_dir", "host")
 # Not run through evaluate.py and stratify.py: their in-graph evaluation is ingraph_dense's over
 # another index, which their validation rows during RL already compare.
-TRAIN_ONLY = ("ingraph_sparse", "ingraph_index_dir")
+TRAIN_ONLY = ("ingraph_index_dir",)
 # Run through stratify.py too: one in-graph and one host retriever (stratify.py builds its agent
 # as evaluate.py does, which every other retriever runs).
 STRATIFIED = ("ingraph_dense", "http")
@@ -205,11 +206,12 @@ def _turn_queries(kg, rollout, rows):
 
 
 def test_two_processes_each_search_their_own_rows_over_http(kg, runs, tmp_path):
-  """The HTTP retriever across 2 processes x 4 devices: the same episodes, evaluation and
-  (within the multi-host tolerance) parameters as the 1-process run; each process asks the
-  server for its own rows only, one request a turn; faults of either process are counted."""
+  """The HTTP retriever across 2 processes of one device each, data parallel (the 2x2x2 mesh
+  over processes: test_multihost): the same episodes, evaluation and (within the multi-host
+  tolerance) parameters as the 1-process run on 2 devices; each process asks the server for
+  its own rows only, one request a turn; faults of either process are counted."""
   from pbsd_jax.agent.env.http import RetrievalServer
-  from test_multihost import MESH, _assert_close_runs, _free_port, _processes, _wait
+  from test_multihost import _assert_close_runs, _free_port, _processes, _wait
   data_dir = os.path.dirname(kg.paths["spm_model"])
   workdir, one = str(tmp_path / "http_2x4"), runs["http"][3]
   shutil.copytree(os.path.join(one, "ckpt_sft"), os.path.join(workdir, "ckpt_sft"))
@@ -219,11 +221,11 @@ def test_two_processes_each_search_their_own_rows_over_http(kg, runs, tmp_path):
     config = [f"--config={os.path.join(ROOT, 'configs', 'grpo.py')}",
               f"--config.data.dir={data_dir}", *SMALL, "--config.env.retriever=http",
               f"--config.env.url={server.url}", f"--workdir={workdir}", "--force_resume",
-              "--config.rl.save_rollouts=1", *MESH]
+              "--config.rl.save_rollouts=1", "--config.mesh.data=2", "--config.mesh.fsdp=1"]
     procs = [subprocess.Popen(
         [sys.executable, os.path.join(ROOT, "scripts", "train.py"), *config,
          *_processes(port, i)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=script_env(4)) for i in range(2)]
+        env=script_env()) for i in range(2)]
     codes, outs = _wait(procs)
   assert codes == [0, 0], outs[0][-2000:] + outs[1][-2000:]
   _assert_close_runs(workdir, one)  # the RL and evaluation rows' samples, the parameters
