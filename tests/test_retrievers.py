@@ -206,10 +206,10 @@ def _turn_queries(kg, rollout, rows):
 
 
 def test_two_processes_each_search_their_own_rows_over_http(kg, runs, tmp_path):
-  """The HTTP retriever across 2 processes of one device each, data parallel (the 2x2x2 mesh
-  over processes: test_multihost): the same episodes, evaluation and (within the multi-host
-  tolerance) parameters as the 1-process run on 2 devices; each process asks the server for
-  its own rows only, one request a turn; faults of either process are counted."""
+  """The HTTP retriever across 2 processes of one device each, data parallel (a mesh of
+  several devices a process: test_multihost): the same episodes, evaluation and (within the
+  multi-host tolerance) parameters as the 1-process run on 2 devices; each process asks the
+  server for its own rows only, one request a turn; faults of either process are counted."""
   from pbsd_jax.agent.env.http import RetrievalServer
   from test_multihost import _assert_close_runs, _free_port, _processes, _wait
   data_dir = os.path.dirname(kg.paths["spm_model"])
