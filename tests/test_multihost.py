@@ -44,6 +44,9 @@ from test_train import OPSD, ROOT, SMALL, _checkpoint, _metrics, _train
 pytestmark = pytest.mark.xdist_group("multihost")
 
 MESH = ("--config.mesh.data=2", "--config.mesh.fsdp=2", "--config.mesh.tensor=1")
+# Two processes of one device each, both on `data`: the decode loops hold no collective over
+# gloo but the one that ends them.
+DATA_PARALLEL = ("--config.mesh.data=2", "--config.mesh.fsdp=1", "--config.mesh.tensor=1")
 EVAL = ("--config.eval.every=3", "--config.eval.sft_every=2", "--config.eval.num_examples=6",
         "--config.rl.save_rollouts=1")
 ATOL = 2e-5
@@ -202,10 +205,7 @@ def test_evaluate_on_two_processes_writes_once_what_one_process_computes(kg, two
                                                                          tmp_path):
   ckpt_dir = os.path.join(two_processes[0], "ckpt_rl")
   port = _free_port()
-  # One device a process, both on `data`: the decode loops hold no collective over gloo but
-  # the one that ends them.
-  data_parallel = ("--config.mesh.data=2", "--config.mesh.fsdp=1", "--config.mesh.tensor=1")
-  pair = [_evaluate(kg, ckpt_dir, tmp_path / "pair" / "eval.json", *data_parallel,
+  pair = [_evaluate(kg, ckpt_dir, tmp_path / "pair" / "eval.json", *DATA_PARALLEL,
                     *_processes(port, i)) for i in range(2)]
   one = _evaluate(kg, ckpt_dir, tmp_path / "one" / "eval.json")
   codes, outs = _wait(pair + [one])

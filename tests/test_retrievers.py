@@ -211,9 +211,9 @@ def test_two_processes_each_search_their_own_rows_over_http(kg, runs, tmp_path):
   multi-host tolerance) parameters as the 1-process run on 2 devices; each process asks the
   server for its own rows only, one request a turn; faults of either process are counted."""
   from pbsd_jax.agent.env.http import RetrievalServer
-  from test_multihost import _assert_close_runs, _free_port, _processes, _wait
+  from test_multihost import DATA_PARALLEL, _assert_close_runs, _free_port, _processes, _wait
   data_dir = os.path.dirname(kg.paths["spm_model"])
-  workdir, one = str(tmp_path / "http_2x4"), runs["http"][3]
+  workdir, one = str(tmp_path / "http_pair"), runs["http"][3]
   shutil.copytree(os.path.join(one, "ckpt_sft"), os.path.join(workdir, "ckpt_sft"))
   logged = _FirstAttemptsFail(kg.retriever)
   with RetrievalServer(logged) as server:
@@ -221,7 +221,7 @@ def test_two_processes_each_search_their_own_rows_over_http(kg, runs, tmp_path):
     config = [f"--config={os.path.join(ROOT, 'configs', 'grpo.py')}",
               f"--config.data.dir={data_dir}", *SMALL, "--config.env.retriever=http",
               f"--config.env.url={server.url}", f"--workdir={workdir}", "--force_resume",
-              "--config.rl.save_rollouts=1", "--config.mesh.data=2", "--config.mesh.fsdp=1"]
+              "--config.rl.save_rollouts=1", *DATA_PARALLEL]
     procs = [subprocess.Popen(
         [sys.executable, os.path.join(ROOT, "scripts", "train.py"), *config,
          *_processes(port, i)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
