@@ -217,43 +217,6 @@ def test_train_kill_resume_and_evaluate_a_converted_model_through_the_server(wor
   with open(os.path.join(workdir, "eval_ckpt_rl_step3.json")) as f:
     result = json.load(f)["splits"][world["questions"]]
   assert result["greedy"]["num_questions"] == 8, out[-2000:]
-  _two_hosts_over_a_dense_server(world, tmp_path, os.path.join(workdir, "ckpt_sft"))
-
-
-def _two_hosts_over_a_dense_server(world, tmp_path, sft_dir):
-  """docs/search_r1.md's several-host commands: a dense index (`build_index.py --encoder`,
-  a tiny BERT written by `transformers`) served by `serve_retriever.py --backend=dense`, and an
-  RL step from `sft_dir` as 2 processes joined over gloo: every process searches its own rows,
-  process 0 writes. (Validation on 2 processes over HTTP: test_retrievers; `scripts/evaluate.py`
-  on 2 processes: test_multihost.)"""
-  from test_dense_retriever import _write_encoder
-  from test_multihost import _free_port, _processes, _wait
-  words = sorted({w.lower() for d in DOCUMENTS for w in re.findall(r"[A-Za-z]+", " ".join(d))})
-  _write_encoder(str(tmp_path / "encoder"), words)
-  index = str(tmp_path / "dense")
-  _run([os.path.join("scripts", "build_index.py"), f"--corpus={world['corpus']}",
-        f"--encoder={tmp_path / 'encoder'}", f"--out={index}"])
-  server = _run([os.path.join("scripts", "serve_retriever.py"), "--backend=dense",
-                 f"--index_dir={index}", "--port=0", "--topk=1"], wait=False)
-  try:
-    url = next(m.group(1) for line in server.stdout
-               if (m := re.search(r"Serving on (http://\S+)", line)))
-    workdir = str(tmp_path / "two_hosts")
-    train = [os.path.join("scripts", "train.py"), "--config=configs/search_r1.py",
-             f"--workdir={workdir}", f"--config.model.init_dir={sft_dir}",
-             f"--config.data.train_files={world['questions']}", f"--config.env.url={url}",
-             *SMALL, "--config.sft.steps=0", "--config.rl.steps=1"]
-    port = _free_port()
-    codes, outs = _wait([_run([*train, *_processes(port, i)], wait=False) for i in range(2)])
-    assert codes == [0, 0], outs[0][-2000:] + outs[1][-2000:]
-    with open(os.path.join(workdir, "metrics.jsonl")) as f:
-      rows = [json.loads(line) for line in f]
-    (rl,) = [r for r in rows if r["stage"] == "rl"]  # written once, by process 0
-    assert rl["searches"] > 0 and rl["failed_searches"] == 0
-    assert rl["retrieval/calls"] >= 2  # both processes asked the server
-  finally:
-    server.send_signal(signal.SIGTERM)
-    server.wait(timeout=30)
 
 
 def _check_rollouts(workdir, steps):
