@@ -98,12 +98,11 @@ def assert_resumed_bitwise(workdir, opsd_run, record_property):
 # left the step's metrics row and events fit and its checkpoint (~0.9 MB) does not; with none
 # left (and no checkpoint until the last step) the step's rollout file fails, or its metrics.
 # The re-run goes on in place once space is freed, or (`copy`) from a copy of the workdir on
-# another disk.
+# another disk. The two checkpoint cases take each stage, each way of saving and each place of
+# the re-run once (the stages save through the same code, `run/checkpoint.py`).
 FULL = {
     "sft-checkpoint": ("ckpt_sft/1", False, 64 << 10, ()),
-    "sft-checkpoint-async-copy": ("ckpt_sft/2", True, 64 << 10, ()),
-    "rl-checkpoint-copy": ("ckpt_rl/1", False, 64 << 10, ()),
-    "rl-checkpoint-async": ("ckpt_rl/1", True, 64 << 10, ()),
+    "rl-checkpoint-async-copy": ("ckpt_rl/1", True, 64 << 10, ()),
     "rl-rollouts": ("ckpt_rl/1", False, 0, ("--config.rl.save_rollouts=1",
                                             "--config.checkpoint.save_interval_steps=100")),
 }
