@@ -299,8 +299,11 @@ def test_a_per_layer_cache_runs_the_layers_one_by_one_as_the_layer_scan_does(con
   # The cache is written in place by the CPU kernel, or by XLA's scatter (as on accelerators).
   if write == "xla":
     monkeypatch.setattr(cpu_kernels, "write_cache", lambda *args: None)
-    jax.clear_caches()  # the samplers' jitted methods trace anew, without the kernel
-    request.addfinalizer(jax.clear_caches)  # and with it again after this test
+    # The samplers' jitted methods trace anew, without the kernel, and with it again after
+    # this test (the other programs of this process keep their compilations).
+    for method in (Sampler.prefill, Sampler.append, Sampler.decode):
+      method.clear_cache()
+      request.addfinalizer(method.clear_cache)
   params = jax.tree.map(lambda x: x * 20.0, init_params(config, jax.random.key(1)))
   states = []
   for unroll in (1, config.num_layers):
@@ -312,6 +315,9 @@ def test_a_per_layer_cache_runs_the_layers_one_by_one_as_the_layer_scan_does(con
     state = sampler.append(params, state, jnp.array([[21, 22, 23]] * 3), jnp.array([3, 0, 2]))
     state, _ = sampler.decode(params, state, jax.random.key(1), budget, max_steps=5)
     states.append(state)
+    lowered = Sampler.decode.lower(sampler, params, state, jax.random.key(1), budget,
+                                   max_steps=5).as_text()
+    assert (write == "xla") != any(t in lowered for t in cpu_kernels.WRITE_TARGETS.values())
   stacked, per_layer = states
   assert not isinstance(stacked.cache.k, tuple)
   assert isinstance(per_layer.cache.k, tuple) and len(per_layer.cache.k) == config.num_layers
