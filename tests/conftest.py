@@ -15,6 +15,9 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 # are the same bits.
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(
     tempfile.gettempdir(), f"pbsd_jax_tests_xla_cache_{os.getuid()}"))
+# JAX stores only programs that took at least 1 s to compile by default; at the tests'
+# code-generation flags (script_env) most of the repeated ones take 0.1-1 s.
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 # A size limit makes JAX lock the cache (filelock) while a process reads or writes an entry.
 os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(4 << 30))
 
