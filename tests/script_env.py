@@ -18,11 +18,11 @@ CODEGEN_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emi
 _KNOWN = "PBSD_TESTS_CODEGEN_FLAGS"
 
 
-def _xla_parses(flag: str) -> bool:
-  """Whether this jaxlib's XLA knows `flag` (an unknown flag in XLA_FLAGS aborts the process,
-  and XLA retires flags)."""
+def _xla_parses(flags: str) -> bool:
+  """Whether this jaxlib's XLA knows every flag of `flags` (an unknown flag in XLA_FLAGS aborts
+  the process, and XLA retires flags)."""
   done = subprocess.run([sys.executable, "-c", "import jax; jax.devices()"],
-                        env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flag},
+                        env={**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags},
                         capture_output=True)
   return done.returncode == 0
 
